@@ -1,0 +1,369 @@
+"""GradNormBackoff: clip by the global gradient norm, back the learning rate off on spikes, skip non-finite steps.
+
+Where it acts. Lightning calls ``on_before_optimizer_step`` inside ``optimizer.step(closure)``: after the closure
+(forward + backward, so DDP has already averaged the gradients), before Lightning's own clipping and before the
+optimizer touches a weight. That single point is used for everything:
+
+1. the fp32 norm of the gradients the step will use (the optimizer's own params: fp32 masters under
+   HorizonPrecision), made identical on every rank by a tiny MAX all-reduce of ``[norm, is_nan, is_inf]``;
+2. the decision: non-finite -> skip (every grad set to None, so torch optimizers leave weights, moments and step
+   counts untouched) and back off; spike -> back off; otherwise count a healthy step and maybe recover;
+3. clipping to ``max_norm`` with :func:`lightning_horizon.gradnorm.clip_grads_`;
+4. the LR scale: every ``param_group["lr"]`` is multiplied by the scale here, just before the update, and put back
+   to the exact value it had by a torch step post-hook, right after the update. Schedulers therefore only ever
+   see their own lr -- LambdaLR/OneCycleLR (recompute from ``base_lrs``) and CosineAnnealingLR/LinearLR (build on
+   the current lr) alike -- so the effective lr is ``scheduler lr x scale`` at every step, without drift.
+
+Gradient accumulation needs nothing: Lightning only calls the hook on the micro-batch that steps. Manual
+optimization goes through the same path (``LightningOptimizer.step`` -> precision -> ``optimizer.step(closure)``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import weakref
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_horizon.gradnorm import clip_grads_, total_norm_fp32
+
+log = logging.getLogger(__name__)
+
+_STATE_VERSION = 1
+
+
+@dataclass
+class _Stash:
+    lrs: list  # the scheduler's lrs, one per param group, as they were before any scale was applied
+    applied_by: set = field(default_factory=set)  # ids of the GradNormBackoff instances that scaled this step
+
+
+# optimizer -> its scheduler lrs while a step runs scaled; shared so that several instances compose and restore once
+_LR_STASH: "weakref.WeakKeyDictionary[Optimizer, _Stash]" = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class BackoffState:
+    """What GradNormBackoff tracks for one optimizer (all of it goes into the checkpoint)."""
+
+    scale: float = 1.0
+    """The current LR multiplier, in ``[min_scale, 1]``."""
+    healthy_streak: int = 0
+    """Finite, non-spike steps in a row since the last spike, skip or recovery."""
+    spikes: int = 0
+    """Finite steps whose norm was judged a spike (cumulative)."""
+    skipped_steps: int = 0
+    """Steps skipped for a non-finite norm (cumulative)."""
+    steps: int = 0
+    """Optimizer steps seen (cumulative, skipped ones included)."""
+    last_grad_norm: float = float("nan")
+    """The pre-clip norm of the latest step (not checkpointed)."""
+    window: deque = field(default_factory=deque)
+    """Recent norms for the z-score test (only filled when ``spike_zscore`` is set)."""
+
+
+class GradNormBackoff(Callback):
+    """Gradient-norm clipping with learning-rate backoff, non-finite step skipping and recovery.
+
+    Args:
+        max_norm: clip the global gradient norm to this value (``None``: measure and decide, but do not clip).
+        norm_type: the p of the p-norm (``float("inf")`` for the max norm).
+        spike_threshold: a finite norm above this is a spike (``None``: no fixed threshold).
+        spike_zscore: when set, a norm above ``mean + spike_zscore * std`` of the last ``zscore_window`` norms is
+            also a spike (adaptive, ZClip-style). The test starts once the window is full; a spike enters the
+            window as ``mean + z * std``, so a lasting shift of the norm is absorbed instead of firing forever.
+        zscore_window: how many recent norms the z-score test looks at.
+        factor: on a spike or a non-finite step the LR scale is multiplied by this, in (0, 1).
+        min_scale: the LR scale never goes below this, in (0, 1].
+        recover_after: after this many healthy steps in a row the scale grows by ``recover_factor`` (capped at 1).
+        recover_factor: growth per recovery, > 1 (``None``: ``1 / factor``, so one healthy window undoes one backoff).
+        skip_nonfinite: skip steps whose norm is NaN/Inf (no weight, moment or step-count change), count them and
+            back off. ``False`` leaves such steps alone entirely (no clip, no skip, no backoff), e.g. for an fp16
+            GradScaler that skips them itself.
+        log_prefix: prepended to the logged names (``grad_norm``, ``lr_scale``, ``spikes``, ``skipped_steps``);
+            with several optimizers the names get a ``_opt{i}`` suffix.
+    """
+
+    def __init__(
+        self,
+        max_norm: Optional[float] = 1.0,
+        norm_type: float = 2.0,
+        spike_threshold: Optional[float] = 1e4,
+        spike_zscore: Optional[float] = None,
+        zscore_window: int = 100,
+        factor: float = 0.8,
+        min_scale: float = 0.01,
+        recover_after: int = 100,
+        recover_factor: Optional[float] = None,
+        skip_nonfinite: bool = True,
+        log_prefix: str = "",
+    ) -> None:
+        super().__init__()
+        _check(max_norm is None or (_is_real(max_norm) and 0 < max_norm < math.inf), "max_norm", max_norm,
+               "a finite number > 0, or None to not clip")
+        _check(_is_real(norm_type) and norm_type > 0, "norm_type", norm_type, "a number > 0 (float('inf') allowed)")
+        _check(spike_threshold is None or (_is_real(spike_threshold) and spike_threshold > 0), "spike_threshold",
+               spike_threshold, "a number > 0, or None for no fixed threshold")
+        _check(spike_zscore is None or (_is_real(spike_zscore) and 0 < spike_zscore < math.inf), "spike_zscore",
+               spike_zscore, "a finite number > 0, or None for no adaptive threshold")
+        _check(_is_int(zscore_window) and zscore_window >= 2, "zscore_window", zscore_window, "an int >= 2")
+        _check(_is_real(factor) and 0 < factor < 1, "factor", factor, "a number in (0, 1)")
+        _check(_is_real(min_scale) and 0 < min_scale <= 1, "min_scale", min_scale, "a number in (0, 1]")
+        _check(_is_int(recover_after) and recover_after >= 1, "recover_after", recover_after, "an int >= 1")
+        _check(recover_factor is None or (_is_real(recover_factor) and 1 < recover_factor < math.inf),
+               "recover_factor", recover_factor, "a finite number > 1, or None for 1 / factor")
+        _check(isinstance(skip_nonfinite, bool), "skip_nonfinite", skip_nonfinite, "True or False")
+        _check(isinstance(log_prefix, str), "log_prefix", log_prefix, "a string")
+        self.max_norm = None if max_norm is None else float(max_norm)
+        self.norm_type = float(norm_type)
+        self.spike_threshold = None if spike_threshold is None else float(spike_threshold)
+        self.spike_zscore = None if spike_zscore is None else float(spike_zscore)
+        self.zscore_window = int(zscore_window)
+        self.factor = float(factor)
+        self.min_scale = float(min_scale)
+        self.recover_after = int(recover_after)
+        self.recover_factor = 1.0 / self.factor if recover_factor is None else float(recover_factor)
+        self.skip_nonfinite = skip_nonfinite
+        self.log_prefix = log_prefix
+        self._init_args = dict(
+            max_norm=max_norm, norm_type=norm_type, spike_threshold=spike_threshold, spike_zscore=spike_zscore,
+            zscore_window=zscore_window, factor=factor, min_scale=min_scale, recover_after=recover_after,
+            recover_factor=recover_factor, skip_nonfinite=skip_nonfinite, log_prefix=log_prefix,
+        )
+        self._states: list[BackoffState] = []
+        self._optimizers: list[Optimizer] = []  # same order as _states (trainer.optimizers order when known)
+        self._hooks: dict[int, Any] = {}  # id(optimizer) -> post-hook handle
+
+    # ------------------------------------------------------------------ public read-outs (optimizer 0)
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(**self._init_args)
+
+    @property
+    def states(self) -> tuple[BackoffState, ...]:
+        """One :class:`BackoffState` per optimizer, in ``trainer.optimizers`` order."""
+        return tuple(self._states)
+
+    @property
+    def lr_scale(self) -> float:
+        return self._states[0].scale if self._states else 1.0
+
+    @property
+    def spikes(self) -> int:
+        return self._states[0].spikes if self._states else 0
+
+    @property
+    def skipped_steps(self) -> int:
+        return self._states[0].skipped_steps if self._states else 0
+
+    @property
+    def last_grad_norm(self) -> float:
+        return self._states[0].last_grad_norm if self._states else float("nan")
+
+    # ------------------------------------------------------------------ Lightning hooks
+
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        clip_val = getattr(trainer, "gradient_clip_val", None)
+        if stage == "fit" and clip_val and self.max_norm is not None:
+            log.info("GradNormBackoff clips to max_norm=%g; Lightning's gradient_clip_val=%g clips again after it "
+                     "(on already clipped gradients).", self.max_norm, clip_val)
+
+    def on_before_optimizer_step(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Optimizer
+    ) -> None:
+        idx = self._index_of(trainer, optimizer)
+        st = self._states[idx]
+        # my scale still applied means the step never ran or the closure was called twice: start from clean lrs
+        self._restore_lr(optimizer, only_if_mine=True)
+
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        norm_t = total_norm_fp32(params, self.norm_type)
+        norm = _agree_across_ranks(norm_t)
+        st.steps += 1
+        st.last_grad_norm = norm
+        step = trainer.global_step
+
+        if not math.isfinite(norm):
+            if self.skip_nonfinite:
+                for p in params:
+                    p.grad = None  # torch optimizers skip params without a grad: weights and state stay as they are
+                st.skipped_steps += 1
+                st.healthy_streak = 0
+                old = st.scale
+                st.scale = max(self.min_scale, st.scale * self.factor)
+                _rank_zero(trainer, log.warning, "GradNormBackoff: non-finite gradient norm (%s) at step %d: step "
+                           "skipped (%d so far); lr scale %.4g -> %.4g.", norm, step, st.skipped_steps, old, st.scale)
+            self._log(trainer, pl_module, idx, st)
+            return
+
+        zlimit = self._zscore_limit(st)
+        is_spike = (self.spike_threshold is not None and norm > self.spike_threshold) or (
+            zlimit is not None and norm > zlimit
+        )
+        if self.spike_zscore is not None and (zlimit is not None or not is_spike):
+            st.window.append(norm if zlimit is None else min(norm, zlimit))
+            while len(st.window) > self.zscore_window:
+                st.window.popleft()
+
+        if is_spike:
+            st.spikes += 1
+            st.healthy_streak = 0
+            old = st.scale
+            st.scale = max(self.min_scale, st.scale * self.factor)
+            limit = min(x for x in (self.spike_threshold, zlimit) if x is not None and norm > x)
+            _rank_zero(trainer, log.warning, "GradNormBackoff: gradient norm spike %.4g > %.4g at step %d (%d so far): "
+                       "lr scale %.4g -> %.4g.", norm, limit, step, st.spikes, old, st.scale)
+        else:
+            st.healthy_streak += 1
+            if st.healthy_streak >= self.recover_after and st.scale < 1.0:
+                old = st.scale
+                st.scale = min(1.0, st.scale * self.recover_factor)
+                st.healthy_streak = 0
+                _rank_zero(trainer, log.info, "GradNormBackoff: %d healthy steps at step %d: lr scale %.4g -> %.4g.",
+                           self.recover_after, step, old, st.scale)
+
+        if self.max_norm is not None and norm > self.max_norm:
+            clip_grads_(params, self.max_norm, torch.tensor(norm, dtype=torch.float32))
+        self._apply_lr_scale(optimizer, st.scale)
+        self._log(trainer, pl_module, idx, st)
+
+    def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+        for opt in self._optimizers:
+            self._restore_lr(opt)
+
+    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        for opt in self._optimizers:
+            self._restore_lr(opt)
+        for handle in self._hooks.values():
+            handle.remove()
+        self._hooks.clear()
+        self._optimizers.clear()  # the states stay: they are the callback's memory across fits
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": _STATE_VERSION,
+            "optimizers": [
+                {"scale": s.scale, "healthy_streak": s.healthy_streak, "spikes": s.spikes,
+                 "skipped_steps": s.skipped_steps, "steps": s.steps, "window": list(s.window)}
+                for s in self._states
+            ],
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._states = [
+            BackoffState(scale=float(d["scale"]), healthy_streak=int(d["healthy_streak"]), spikes=int(d["spikes"]),
+                         skipped_steps=int(d["skipped_steps"]), steps=int(d["steps"]), window=deque(d["window"]))
+            for d in state_dict["optimizers"]
+        ]
+
+    # ------------------------------------------------------------------ internals
+
+    def _index_of(self, trainer: "pl.Trainer", optimizer: Optimizer) -> int:
+        """The optimizer's position (trainer.optimizers order), registering the lr post-hook the first time."""
+        known = [i for i, o in enumerate(self._optimizers) if o is optimizer]
+        if not known:
+            order = [i for i, o in enumerate(getattr(trainer, "optimizers", [])) if o is optimizer]
+            idx = order[0] if order else len(self._optimizers)
+            while len(self._optimizers) <= idx:
+                self._optimizers.append(None)  # type: ignore[arg-type]  # filled when that optimizer first steps
+            self._optimizers[idx] = optimizer
+            self._hooks[id(optimizer)] = optimizer.register_step_post_hook(self._after_step)
+            known = [idx]
+        while len(self._states) <= known[0]:
+            self._states.append(BackoffState())
+        return known[0]
+
+    def _zscore_limit(self, st: BackoffState) -> Optional[float]:
+        if self.spike_zscore is None or len(st.window) < self.zscore_window:
+            return None
+        n = len(st.window)
+        mean = sum(st.window) / n
+        std = math.sqrt(sum((x - mean) ** 2 for x in st.window) / n)
+        return mean + self.spike_zscore * std
+
+    def _apply_lr_scale(self, optimizer: Optimizer, scale: float) -> None:
+        if scale == 1.0:
+            return  # nothing to do and nothing to put back
+        stash = _LR_STASH.get(optimizer)
+        if stash is None:  # the first scaler of this step keeps the scheduler's lrs; later ones multiply on top
+            stash = _LR_STASH[optimizer] = _Stash(
+                lrs=[g["lr"].clone() if isinstance(g["lr"], Tensor) else g["lr"] for g in optimizer.param_groups]
+            )
+        stash.applied_by.add(id(self))
+        for group in optimizer.param_groups:
+            if isinstance(group["lr"], Tensor):  # tensor lr (capturable/fused optimizers): schedulers fill_ it
+                group["lr"].mul_(scale)
+            else:
+                group["lr"] = group["lr"] * scale
+
+    def _restore_lr(self, optimizer: Optional[Optimizer], only_if_mine: bool = False) -> None:
+        """Put the scheduler's lrs back (the stash is shared, so every instance's scale goes at once)."""
+        stash = _LR_STASH.get(optimizer) if optimizer is not None else None
+        if stash is None or (only_if_mine and id(self) not in stash.applied_by):
+            return
+        del _LR_STASH[optimizer]
+        for group, lr in zip(optimizer.param_groups, stash.lrs):
+            if isinstance(lr, Tensor):
+                group["lr"].copy_(lr)
+            else:
+                group["lr"] = lr
+
+    def _after_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        self._restore_lr(optimizer)
+
+    def _log(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", idx: int, st: BackoffState) -> None:
+        if getattr(trainer, "logger", None) is None and not getattr(trainer, "loggers", None):
+            return
+        suffix = f"_opt{idx}" if len(getattr(trainer, "optimizers", [])) > 1 else ""
+        values = {"grad_norm": st.last_grad_norm, "lr_scale": st.scale,
+                  "spikes": float(st.spikes), "skipped_steps": float(st.skipped_steps)}
+        for name, value in values.items():
+            # values are identical on every rank already: no sync_dist
+            pl_module.log(f"{self.log_prefix}{name}{suffix}", value, on_step=True, on_epoch=False, logger=True)
+
+
+def _agree_across_ranks(norm: Tensor) -> float:
+    """The norm as a float that every rank holds identically: MAX over ranks of [finite norm, is_nan, is_inf].
+
+    DDP has averaged the gradients before this point, so the ranks' norms already agree; the all-reduce (3 floats)
+    makes the decision identical by construction, even if a rank's gradients differ (e.g. unsynced parameters).
+    """
+    value = norm.detach().float().reshape(())
+    finite = bool(torch.isfinite(value))
+    packed = torch.tensor([value.item() if finite else 0.0, float(bool(torch.isnan(value))),
+                           float(bool(torch.isinf(value)))], dtype=torch.float64)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(packed, op=dist.ReduceOp.MAX)
+    if packed[1] > 0:
+        return float("nan")
+    if packed[2] > 0:
+        return float("inf")
+    return float(packed[0])
+
+
+def _rank_zero(trainer: "pl.Trainer", fn: Any, *args: Any) -> None:
+    if getattr(trainer, "is_global_zero", True):
+        fn(*args)
+
+
+def _is_real(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check(ok: bool, name: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"GradNormBackoff: {name}={value!r} is not allowed; {name} must be {allowed}.")

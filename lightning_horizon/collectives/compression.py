@@ -1,0 +1,125 @@
+"""Compressed allreduce (bf16, int8 with a scale per block) and its error feedback.
+
+The allreduce is a reduce-scatter and an all-gather done by hand, so that nothing is ever *summed* in the
+narrow type (gloo sums int8 in int8, which overflows, and bf16 in bf16, which loses the small addends):
+
+1. each member encodes its tensor, cut in one chunk per member, and sends chunk ``j`` to member ``j``
+   (all-to-all);
+2. member ``j`` decodes the chunks it received and sums them in fp32, in member order;
+3. it encodes the sum again and every member gathers every encoded sum (all-gather), then decodes.
+
+Both encodings lose something, and both losses are fed back: a rank adds what its own encodings lost to its
+next contribution (error feedback), so over the steps the applied updates add up to the true gradients minus
+the residual still held. Since the residual only ever enters through a sum, it is kept per *parameter*, not per
+bucket: DDP rebuilds its buckets after the first iteration and the residual follows the parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from lightning_horizon.collectives.comm import Comm
+from lightning_horizon.collectives.cost_model import round_up
+
+
+class Codec:
+    """Encodes rows of fp32 values into bytes (``[rows, wire_bytes]`` uint8) and back."""
+
+    def __init__(self, name: str, int8_block: int = 256) -> None:
+        self.name = name
+        self.block = int8_block if name == "int8" else 1
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``: ``[rows, c]`` fp32, ``c`` a multiple of the block. Returns ``[rows, bytes]`` uint8."""
+        if self.name == "bf16":
+            return x.to(torch.bfloat16).view(torch.uint8)
+        blocks = x.view(x.shape[0], -1, self.block)
+        scale = blocks.abs().amax(dim=-1, keepdim=True) / 127.0
+        # A zero block keeps scale 1 (no 0/0); a non-finite block keeps its non-finite scale, so the decoded
+        # block stays non-finite and an overflow still reaches the optimizer's skip logic.
+        scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+        q = torch.nan_to_num(blocks / scale).round_().clamp_(-127, 127).to(torch.int8)
+        return torch.cat([q.view(x.shape[0], -1).view(torch.uint8), scale.view(x.shape[0], -1).view(torch.uint8)], 1)
+
+    def decode(self, packed: torch.Tensor, c: int) -> torch.Tensor:
+        """Inverse of :meth:`encode` for ``c`` values per row: ``[rows, c]`` fp32."""
+        if self.name == "bf16":
+            return packed.view(torch.bfloat16).float()
+        rows = packed.shape[0]
+        q = packed[:, :c].view(torch.int8).float().view(rows, -1, self.block)
+        scale = packed[:, c:].contiguous().view(torch.float32).view(rows, -1, 1)
+        return (q * scale).view(rows, c)
+
+
+def compressed_allreduce(x: torch.Tensor, comm: Comm, codec: Codec) -> tuple[torch.Tensor, torch.Tensor]:
+    """The group's sum of ``x`` (1-D fp32), and what this rank's encodings lost (same length as ``x``)."""
+    n, g = x.numel(), comm.size
+    c = round_up(n, g * codec.block) // g
+    padded = F.pad(x, (0, g * c - n))
+    packed = codec.encode(padded.view(g, c))
+    error = padded - codec.decode(packed, c).view(-1)
+    received = torch.empty_like(packed)
+    comm.all_to_all(received, packed)
+    total = codec.decode(received, c).sum(dim=0)  # fp32, in member order: the same sum on every rank
+    mine = codec.encode(total.view(1, c))
+    # The re-encoding's loss belongs to the sum: fed back by this rank alone, it re-enters the next sum once.
+    error[comm.index * c : (comm.index + 1) * c] += total - codec.decode(mine, c).view(-1)
+    gathered = torch.empty((g, mine.shape[1]), dtype=torch.uint8)
+    comm.all_gather(gathered, mine)
+    # A non-finite gradient (an overflow the optimizer will skip) must not poison the residual forever.
+    torch.nan_to_num_(error, nan=0.0, posinf=0.0, neginf=0.0)
+    return codec.decode(gathered, c).view(-1)[:n], error[:n]
+
+
+class ErrorFeedback:
+    """Per-parameter residuals of the compression, gathered into and scattered from bucket layout."""
+
+    def __init__(self, named_parameters: list[tuple[str, torch.Tensor]]) -> None:
+        self._names = {id(p): name for name, p in named_parameters}
+        self._shapes = {name: p.shape for name, p in named_parameters}
+        #: residual per parameter name, fp32, in units of the *sum* over ranks (not the average)
+        self.residual: dict[str, torch.Tensor] = {}
+
+    def _layout(self, bucket) -> list[tuple[str, int, int]]:
+        base = bucket.buffer().data_ptr()
+        itemsize = bucket.buffer().element_size()
+        return [
+            (self._names[id(p)], (g.data_ptr() - base) // itemsize, g.numel())
+            for p, g in zip(bucket.parameters(), bucket.gradients())
+        ]
+
+    def gather(self, bucket) -> Optional[torch.Tensor]:
+        """The residual of the bucket's parameters in bucket layout; ``None`` while it is all zero."""
+        layout = self._layout(bucket)
+        if not any(name in self.residual for name, _, _ in layout):
+            return None
+        out = torch.zeros(bucket.buffer().numel(), dtype=torch.float32)
+        for name, offset, numel in layout:
+            if name in self.residual:
+                out[offset : offset + numel] = self.residual[name].view(-1)
+        return out
+
+    def scatter(self, bucket, error: Optional[torch.Tensor]) -> None:
+        """Store ``error`` (bucket layout) as the new residual of the bucket's parameters; ``None``: all zero."""
+        for name, offset, numel in self._layout(bucket):
+            if error is None:
+                self.residual.pop(name, None)
+            else:
+                self.residual[name] = error[offset : offset + numel].view(self._shapes[name]).clone()
+
+    def state_dict(self) -> dict:
+        return {"residual": {k: v.clone() for k, v in self.residual.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        residual = state.get("residual", {})
+        unknown = sorted(set(residual) - set(self._shapes))
+        if unknown:
+            raise ValueError(f"error feedback state names parameters this model does not have: {unknown[:5]}")
+        for name, value in residual.items():
+            if tuple(value.shape) != tuple(self._shapes[name]):
+                raise ValueError(f"error feedback residual {name!r}: shape {tuple(value.shape)}, parameter has"
+                                 f" {tuple(self._shapes[name])}")
+        self.residual = {k: v.detach().float().clone() for k, v in residual.items()}

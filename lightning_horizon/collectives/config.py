@@ -1,0 +1,101 @@
+"""What the user chooses for gradient synchronization, validated where it is given.
+
+Every bad value raises ``ValueError`` naming the parameter, the value and what is allowed, at construction
+(``HorizonStrategy(...)`` runs this in the Trainer's constructor, before any process starts). The one check
+that needs the world size (``torus_shape``) runs at setup, in :meth:`CollectivesConfig.grid_shape`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+ALGORITHMS = ("flat", "hierarchical", "torus2d", "auto")
+COMPRESSIONS = (None, "bf16", "int8")
+
+
+@dataclass(frozen=True)
+class CollectivesConfig:
+    """How DDP's gradient buckets are reduced (see docs/collectives.md)."""
+
+    algorithm: str = "flat"
+    """``"flat"``: one allreduce over the world (DDP's own behaviour, overlapped with backward).
+    ``"hierarchical"``: reduce-scatter inside the node, allreduce of each 1/L slice across nodes by every local
+    rank in parallel, all-gather inside the node. ``"torus2d"``: the same three stages on an X x Y grid
+    (rows of X consecutive ranks, X = ranks per node unless ``torus_shape`` says otherwise).
+    ``"auto"``: per bucket size, the cheapest of these by the alpha-beta cost model."""
+
+    compression: Optional[str] = None
+    """``None``, ``"bf16"`` or ``"int8"`` (a scale per ``int8_block`` elements). Applies to the inter-node stage
+    (the whole allreduce with ``flat``); values are summed in fp32 after an all-to-all, never in the narrow type,
+    and the rounding error is fed back into the next step (error feedback)."""
+
+    sync_every: int = 1
+    """1: every step reduces gradients across the world. k > 1: hierarchical local SGD, gradients are reduced
+    inside the node every step and parameters are averaged across nodes every k optimizer steps."""
+
+    sync_warmup_steps: int = 0
+    """With ``sync_every > 1``: the first optimizer steps that still reduce gradients across the world
+    (post-local SGD warm-up). Counted in the checkpoint, so a resume does not start the warm-up again."""
+
+    torus_shape: Optional[tuple[int, int]] = None
+    """``(X, Y)`` for ``torus2d``: X ranks per row (consecutive ranks), Y rows, X * Y = world size. ``None``:
+    X = ranks per node, so rows are nodes and columns cross nodes."""
+
+    cost_model: Optional[Any] = None
+    """Link constants for ``auto`` instead of the setup probe: a ``CostModel`` or
+    ``{"intra": (alpha_s, beta_s_per_byte), "inter": (alpha_s, beta_s_per_byte)}``."""
+
+    int8_block: int = 256
+    """Elements per int8 scale: smaller blocks follow the gradient's range more closely, at 4 bytes per block."""
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"collectives={self.algorithm!r}: allowed are {ALGORITHMS}")
+        if self.compression not in COMPRESSIONS:
+            raise ValueError(f"compression={self.compression!r}: allowed are {COMPRESSIONS}")
+        _positive_int("sync_every", self.sync_every, minimum=1)
+        _positive_int("sync_warmup_steps", self.sync_warmup_steps, minimum=0)
+        _positive_int("int8_block", self.int8_block, minimum=1)
+        if self.sync_every > 1 and self.compression is not None:
+            raise ValueError(
+                f"compression={self.compression!r} with sync_every={self.sync_every}: compression applies to the"
+                " inter-node gradient stage, which sync_every > 1 replaces by parameter averaging; allowed is"
+                " compression=None with sync_every > 1"
+            )
+        if self.torus_shape is not None:
+            shape = self.torus_shape
+            if (
+                not isinstance(shape, (tuple, list))
+                or len(shape) != 2
+                or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in shape)
+            ):
+                raise ValueError(f"torus_shape={shape!r}: allowed is None or a pair (X, Y) of positive ints")
+            if self.algorithm not in ("torus2d", "auto"):
+                raise ValueError(
+                    f"torus_shape={tuple(shape)!r} with collectives={self.algorithm!r}: torus_shape is used by"
+                    " collectives='torus2d' or 'auto' only"
+                )
+            object.__setattr__(self, "torus_shape", tuple(shape))
+        if self.cost_model is not None:
+            from lightning_horizon.collectives.cost_model import CostModel
+
+            object.__setattr__(self, "cost_model", CostModel.coerce(self.cost_model))
+
+    def grid_shape(self, world_size: int, ranks_per_node: int) -> tuple[int, int]:
+        """``(X, Y)`` of the torus for this world: ``torus_shape``, checked, or ``(ranks_per_node, nodes)``."""
+        if self.torus_shape is None:
+            return ranks_per_node, world_size // ranks_per_node
+        x, y = self.torus_shape
+        if x * y != world_size:
+            pairs = [(d, world_size // d) for d in range(1, world_size + 1) if world_size % d == 0]
+            raise ValueError(
+                f"torus_shape={self.torus_shape!r}: X * Y = {x * y} does not match the world size {world_size};"
+                f" allowed are {pairs}"
+            )
+        return x, y
+
+
+def _positive_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}={value!r}: must be an int >= {minimum}")

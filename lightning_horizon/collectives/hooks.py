@@ -1,0 +1,223 @@
+"""DDP comm hooks: the state object DDP hands to every hook call, and the hook functions themselves.
+
+``GradientSync`` is built on every rank at the same point (it may create process groups and, for ``auto``,
+probe the links, both collective), registered with ``ddp.register_comm_hook(sync, sync.hook)``, and called by
+DDP once per bucket, in bucket order, on the thread that runs backward. All collectives of a bucket are issued
+from there, one after another; the hook returns an already-completed Future. The one exception is the plain
+flat allreduce, which, like DDP's own hook, returns the allreduce's Future so that it overlaps with backward:
+its continuation only divides, it never issues a collective.
+
+The object is also a strategy "part": ``after_optimizer_step`` closes the accounting of the step (and runs
+the periodic parameter average), ``state_dict``/``load_state_dict`` carry the error-feedback residuals and the
+local-SGD counters through a checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from lightning_horizon.collectives import algorithms
+from lightning_horizon.collectives.accounting import CommAccounting
+from lightning_horizon.collectives.comm import Comm
+from lightning_horizon.collectives.compression import Codec, ErrorFeedback
+from lightning_horizon.collectives.config import CollectivesConfig
+from lightning_horizon.collectives.cost_model import CostModel
+from lightning_horizon.collectives.local_sgd import PeriodicSync
+from lightning_horizon.collectives.probe import probe_links
+from lightning_horizon.topology import ProcessGroups
+
+log = logging.getLogger(__name__)
+
+LOG_EVERY_N_STEPS = 100
+
+
+class GradientSync:
+    """Everything the comm hooks need: groups, algorithm choice, error feedback, local SGD, accounting."""
+
+    def __init__(self, config: CollectivesConfig, groups: ProcessGroups, module: torch.nn.Module) -> None:
+        self.config = config
+        topo = self.topology = groups.topology
+        self.accounting = CommAccounting()
+        world, per_node = topo.world_size, topo.ranks_per_node
+
+        def comm(group: Optional[dist.ProcessGroup], ranks: list[int], accounting=self.accounting) -> Comm:
+            return Comm(group, ranks, topo, accounting)
+
+        self.world = comm(None, list(range(world)))
+        self.intra = comm(groups.intra, groups.intra_ranks)
+        self.inter = comm(groups.inter, groups.inter_ranks)
+        self.torus_cols = config.grid_shape(world, per_node)[0]
+        self.row, self.col = self.intra, self.inter
+        if config.algorithm in ("torus2d", "auto") and self.torus_cols != per_node:
+            grid = groups.grid(self.torus_cols)  # collective on first request: every rank is here
+            self.row, self.col = comm(grid.row, grid.row_ranks), comm(grid.col, grid.col_ranks)
+
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self.codec = Codec(config.compression, config.int8_block) if config.compression else None
+        self.error_feedback = ErrorFeedback(named) if self.codec else None
+        self.periodic = (
+            PeriodicSync(config.sync_every, config.sync_warmup_steps, [p for _, p in named], self.intra, self.inter)
+            if config.sync_every > 1
+            else None
+        )
+        self._overlapped_seconds: list[float] = []  # appended by flat allreduce continuations (worker threads)
+
+        self.cost_model: Optional[CostModel] = None
+        self._choices: dict[int, str] = {}
+        if config.algorithm == "auto":
+            self.cost_model = config.cost_model
+            source = "given"
+            if self.cost_model is None:
+                scratch = CommAccounting()  # the probe's traffic is not a training step's
+                self.cost_model = probe_links(
+                    comm(groups.intra, groups.intra_ranks, scratch),
+                    comm(groups.inter, groups.inter_ranks, scratch),
+                    comm(None, list(range(world)), scratch),
+                )
+                source = "probed"
+            self._info(f"collectives auto: {source} links: {self.cost_model.describe()}")
+        self._info(
+            f"collectives: {config.algorithm} on {topo.num_nodes} node(s) x {per_node} rank(s)"
+            + (f", torus {self.torus_cols} x {world // self.torus_cols}" if config.algorithm == "torus2d" else "")
+            + f", compression {config.compression}, sync_every {config.sync_every}"
+        )
+
+    # ------------------------------------------------------------------ the hook
+
+    @property
+    def hook(self) -> Callable:
+        """The hook function to register with this state (its name shows in DDP's logging data)."""
+        if self.periodic is not None:
+            return local_sgd_hook
+        return HOOKS[self.config.algorithm]
+
+    def algorithm_for(self, numel: int) -> str:
+        """The algorithm a bucket of ``numel`` elements takes (``auto``: by the cost model, cached per size)."""
+        if self.config.algorithm != "auto":
+            return self.config.algorithm
+        if numel not in self._choices:
+            topo = self.topology
+            candidates = [("flat", topo.world_size), ("hierarchical", topo.ranks_per_node)]
+            if self.torus_cols not in (topo.ranks_per_node, topo.world_size):
+                candidates.append(("torus2d", self.torus_cols))
+            assert self.cost_model is not None
+            choice = self.cost_model.choose(
+                numel, topo.num_nodes, topo.ranks_per_node, tuple(candidates),
+                compression=self.config.compression, int8_block=self.config.int8_block,
+            )[0]
+            self._choices[numel] = choice
+            self._info(f"collectives auto: buckets of {numel * 4 / 2**20:.3f} MiB -> {choice}")
+        return self._choices[numel]
+
+    def reduce(self, bucket: dist.GradBucket) -> torch.futures.Future:
+        """Average the bucket's gradients over the world (or over the node between local-SGD averages)."""
+        buf = bucket.buffer()
+        if self.periodic is not None:
+            self.periodic.gradients_reduced()
+            if not self.periodic.global_gradients:
+                self.intra.allreduce(buf).div_(self.intra.size)
+                return _completed(buf)
+        algorithm = self.algorithm_for(buf.numel())
+        if algorithm == "flat" and self.codec is None:
+            return self._flat_overlapped(buf)
+        x = buf
+        if self.error_feedback is not None:
+            residual = self.error_feedback.gather(bucket)
+            x = buf if residual is None else buf + residual
+        if algorithm == "flat":
+            out, error = algorithms.flat(x, self.world, self.codec)
+        else:
+            row, col = (self.intra, self.inter) if algorithm == "hierarchical" else (self.row, self.col)
+            out, error = algorithms.two_level(x, row, col, self.codec)
+        if self.error_feedback is not None:
+            self.error_feedback.scatter(bucket, error)
+        buf.copy_(out).div_(self.topology.world_size)
+        return _completed(buf)
+
+    def _flat_overlapped(self, buf: torch.Tensor) -> torch.futures.Future:
+        buf.div_(self.world.size)  # as DDP's allreduce_hook: average before summing, same rounding as DDP
+        work, start = self.world.allreduce_async(buf)
+        seconds = self._overlapped_seconds
+
+        def done(fut: torch.futures.Future) -> torch.Tensor:
+            seconds.append(time.perf_counter() - start)  # no collective here, ever
+            return fut.value()[0]
+
+        return work.get_future().then(done)
+
+    # ------------------------------------------------------------------ strategy part
+
+    def after_optimizer_step(self) -> None:
+        """Close the step: periodic parameter average (local SGD), then the step's accounting."""
+        if self.periodic is not None:
+            self.periodic.after_optimizer_step()
+        while self._overlapped_seconds:
+            self.accounting.add_seconds(self._overlapped_seconds.pop())
+        last = self.accounting.end_step()
+        steps = self.accounting.steps
+        if steps == 1 or steps % LOG_EVERY_N_STEPS == 0:
+            self._info(
+                f"collectives step {steps}: sent {last.intra_bytes / 2**20:.2f} MiB intra-node,"
+                f" {last.inter_bytes / 2**20:.2f} MiB inter-node, {last.seconds * 1e3:.1f} ms in {last.calls} calls"
+            )
+
+    def metrics(self) -> dict[str, float]:
+        """The last step's bytes per link class and communication time (for monitor callbacks and loggers)."""
+        out = self.accounting.metrics()
+        if self.periodic is not None:
+            out["comm/param_syncs"] = float(self.periodic.syncs)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "algorithm": self.config.algorithm,
+            "error_feedback": self.error_feedback.state_dict() if self.error_feedback else None,
+            "periodic": self.periodic.state_dict() if self.periodic else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name, part in (("error_feedback", self.error_feedback), ("periodic", self.periodic)):
+            saved = state.get(name)
+            if part is not None and saved is not None:
+                part.load_state_dict(saved)
+            elif part is not None or saved is not None:
+                self._info(f"collectives: checkpoint {'has no' if saved is None else 'has unused'} {name} state")
+
+    def _info(self, message: str) -> None:
+        if self.topology.rank == 0:
+            log.info(message)
+
+
+def _completed(tensor: torch.Tensor) -> torch.futures.Future:
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(tensor)
+    return fut
+
+
+# One function per algorithm, so that DDP's logging data ("comm_hook") names the algorithm in use.
+def flat_hook(state: GradientSync, bucket: dist.GradBucket) -> torch.futures.Future:
+    return state.reduce(bucket)
+
+
+def hierarchical_hook(state: GradientSync, bucket: dist.GradBucket) -> torch.futures.Future:
+    return state.reduce(bucket)
+
+
+def torus2d_hook(state: GradientSync, bucket: dist.GradBucket) -> torch.futures.Future:
+    return state.reduce(bucket)
+
+
+def auto_hook(state: GradientSync, bucket: dist.GradBucket) -> torch.futures.Future:
+    return state.reduce(bucket)
+
+
+def local_sgd_hook(state: GradientSync, bucket: dist.GradBucket) -> torch.futures.Future:
+    return state.reduce(bucket)
+
+
+HOOKS = {"flat": flat_hook, "hierarchical": hierarchical_hook, "torus2d": torus2d_hook, "auto": auto_hook}

@@ -1,0 +1,154 @@
+"""The CPU a rank runs on: instruction sets, NUMA domains, per-rank core pinning, threads, allocator.
+
+Pinning is what makes several ranks on one machine fast: without it the ranks' OpenMP pools oversubscribe the
+cores and migrate between NUMA domains. Each local rank gets a disjoint, contiguous slice of the cores this
+process may use, ordered by NUMA domain so that a slice stays inside one domain whenever the ranks divide the
+domains evenly. With fewer cores than ranks the cores are shared round-robin, and the caller warns.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Optional
+
+import torch
+
+# The affinity this process started with, before any pinning: a second fit in the same process must plan
+# from the whole machine again, not from the slice the first fit pinned it to.
+_START_AFFINITY: Optional[frozenset[int]] = (
+    frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+)
+
+_THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+@dataclass(frozen=True)
+class ISA:
+    """The vector instruction sets that decide which kernels are fast on this CPU."""
+
+    avx2: bool
+    avx512: bool
+    avx512_bf16: bool
+    amx: bool
+    torch_capability: str  # what torch's dispatcher uses: "DEFAULT", "AVX2", "AVX512", ...
+
+    @property
+    def native_bf16(self) -> bool:
+        """bf16 matmuls run in hardware (AVX512-BF16 or AMX); elsewhere they are emulated and slow."""
+        return self.avx512_bf16 or self.amx
+
+    @property
+    def name(self) -> str:
+        """The best instruction set found, for logs and tables."""
+        for flag, label in ((self.amx, "AMX"), (self.avx512_bf16, "AVX512-BF16"), (self.avx512, "AVX-512"),
+                            (self.avx2, "AVX2")):
+            if flag:
+                return label
+        return "baseline"
+
+
+@lru_cache(maxsize=1)
+def isa() -> ISA:
+    """Read the ISA from /proc/cpuinfo flags, cross-checked with torch's own CPU capability."""
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    try:
+        capability = torch.backends.cpu.get_cpu_capability()
+    except Exception:  # very old torch or an exotic build
+        capability = "DEFAULT"
+    return ISA(
+        avx2="avx2" in flags or capability.startswith("AVX"),
+        avx512="avx512f" in flags or capability.startswith("AVX512"),
+        avx512_bf16="avx512_bf16" in flags,
+        amx="amx_bf16" in flags,
+        torch_capability=capability,
+    )
+
+
+def _parse_cpulist(text: str) -> list[int]:
+    cpus: list[int] = []
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        cpus.extend(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def numa_domains() -> dict[int, list[int]]:
+    """NUMA domain -> the CPUs in it, from sysfs; one domain holding every CPU where sysfs says nothing."""
+    domains: dict[int, list[int]] = {}
+    for path in sorted(glob.glob("/sys/devices/system/node/node[0-9]*/cpulist")):
+        node = int(re.search(r"node(\d+)", path).group(1))  # type: ignore[union-attr]
+        with open(path) as f:
+            cpus = _parse_cpulist(f.read())
+        if cpus:
+            domains[node] = cpus
+    return domains or {0: sorted(_START_AFFINITY or range(os.cpu_count() or 1))}
+
+
+def available_cores() -> list[int]:
+    """The CPUs this process may run on, ordered by NUMA domain then id."""
+    allowed = _START_AFFINITY if _START_AFFINITY is not None else frozenset(range(os.cpu_count() or 1))
+    domain_of = {cpu: node for node, cpus in numa_domains().items() for cpu in cpus}
+    return sorted(allowed, key=lambda c: (domain_of.get(c, 0), c))
+
+
+def plan_cores(local_rank: int, local_world_size: int, cores: list[int]) -> tuple[list[int], bool]:
+    """This local rank's cores and whether they are shared with another rank.
+
+    With at least as many cores as ranks, rank ``i`` gets the ``i``-th of ``local_world_size`` contiguous
+    slices (the first ``len(cores) % local_world_size`` slices one core larger). With fewer cores than ranks,
+    rank ``i`` gets core ``i % len(cores)``, shared.
+    """
+    n = len(cores)
+    if n >= local_world_size:
+        base, extra = divmod(n, local_world_size)
+        start = local_rank * base + min(local_rank, extra)
+        return cores[start : start + base + (local_rank < extra)], False
+    return [cores[local_rank % n]], True
+
+
+def pin(cores: list[int], threads: Optional[int] = None) -> int:
+    """Pin this process to ``cores`` and size torch's intra-op pool; return the thread count.
+
+    The OpenMP variables are set too, for the processes this one starts and for runtimes that read them at
+    their first parallel region; ``torch.set_num_threads`` takes effect immediately in this process.
+    """
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cores)
+    threads = threads or len(cores)
+    for var in _THREAD_VARS:
+        os.environ[var] = str(threads)
+    torch.set_num_threads(threads)
+    return threads
+
+
+def allocator() -> Optional[str]:
+    """``"jemalloc"`` or ``"tcmalloc"`` when one is loaded into this process (e.g. via LD_PRELOAD), else None."""
+    try:
+        with open("/proc/self/maps") as f:
+            maps = f.read()
+    except OSError:
+        maps = os.environ.get("LD_PRELOAD", "")
+    for name in ("jemalloc", "tcmalloc"):
+        if f"lib{name}" in maps:
+            return name
+    return None
+
+
+ALLOCATOR_HINT = (
+    "no jemalloc/tcmalloc preloaded: glibc malloc fragments under training's allocation pattern; try"
+    " `apt-get install libjemalloc2` and LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"
+)

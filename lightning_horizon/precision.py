@@ -1,0 +1,576 @@
+"""HorizonPrecision: bf16 where the hardware makes it fast, fp32 where precision needs it, on any CPU.
+
+Modes (``plugins=[HorizonPrecision(...)]``):
+
+- ``"bf16-mixed"`` (``"auto"`` is an alias): parameters, gradients, micro-batch gradient accumulation and
+  optimizer state in fp32; matmul-class ops under ``torch.autocast(bf16)`` when the compute dtype is bf16.
+- ``"bf16-true"``: module weights stored in bf16, updated through a master the optimizer steps on:
+  ``master="fp32"`` (an fp32 copy that the optimizer owns; its fp32 gradients are in the optimizer's param
+  groups before ``on_before_optimizer_step``) or ``master="kahan"`` (a bf16 compensation buffer holding the low
+  bits the bf16 weight cannot; the optimizer state is kept in bf16 between steps and upcast around the step).
+
+``compute="auto"`` picks bf16 compute only where bf16 matmuls run in hardware (AVX512-BF16 or AMX on x86, BF16 on
+Arm, a bf16 GPU). Elsewhere a bf16 matmul is emulated and 10-100x slower than fp32, so the weights are upcast and
+everything computes in fp32 (bf16-true then still halves weight memory). Bytes per parameter: docs/precision.md.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from contextlib import contextmanager, nullcontext
+from functools import lru_cache
+from typing import Any, Callable, Generator, Optional
+
+import torch
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import LBFGS, Optimizer
+from typing_extensions import override
+
+import lightning.pytorch as pl
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+from lightning_horizon.gradnorm import clip_grads_, total_norm_fp32
+
+log = logging.getLogger(__name__)
+
+MODES = ("auto", "bf16-mixed", "bf16-true")
+MASTERS = ("kahan", "fp32")  # bf16-true only; None picks "kahan"
+COMPUTES = ("auto", "bf16", "fp32")
+BACKENDS = ("native", "ipex", "auto")
+STATE_ROUNDINGS = ("stochastic", "nearest")
+_STATE_VERSION = 1
+
+
+# ---------------------------------------------------------------------------------------------- ISA detection
+
+
+@lru_cache(maxsize=1)
+def _cpu_flags() -> frozenset[str]:
+    """The CPU feature flags of /proc/cpuinfo ("flags" on x86, "Features" on Arm); empty where there is none."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def isa_name() -> str:
+    """The instruction sets that matter for bf16, for the log line: e.g. "AVX2" or "AVX512 + AVX512-BF16"."""
+    flags = _cpu_flags()
+    try:
+        base = torch.backends.cpu.get_cpu_capability()  # what torch's own kernels dispatch to
+    except Exception:  # an exotic build
+        base = "unknown"
+    extras = [label for flag, label in (("avx512_bf16", "AVX512-BF16"), ("amx_bf16", "AMX-BF16"), ("bf16", "ARM-BF16"))
+              if flag in flags]
+    return " + ".join([base, *extras])
+
+
+def native_bf16() -> bool:
+    """True where the CPU multiplies bf16 in hardware (AVX512-BF16, AMX-BF16, Arm BF16)."""
+    flags = _cpu_flags()
+    if flags:
+        return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+    check = getattr(torch.cpu, "_is_avx512_bf16_supported", None)  # no /proc/cpuinfo: ask torch's cpuinfo
+    return bool(check and check())
+
+
+def resolve_compute(compute: str, device_type: str = "cpu") -> tuple[str, str]:
+    """The compute dtype ("bf16" or "fp32") for ``compute`` on ``device_type``, and the reason, for the log."""
+    if device_type == "cuda":
+        found, ok = "CUDA", torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    elif device_type == "cpu":
+        found, ok = isa_name(), native_bf16()
+    else:
+        found, ok = device_type, False
+    have = "native bf16" if ok else "no native bf16"
+    if compute != "auto":
+        slow = "" if ok or compute == "fp32" else " (expect bf16 matmuls to be many times slower than fp32)"
+        return compute, f"ISA found: {found}; {have}; compute={compute!r} forced{slow}"
+    if ok:
+        return "bf16", f"ISA found: {found}; {have} -> bf16 compute; pass compute='fp32' to force fp32"
+    return "fp32", f"ISA found: {found}; {have} -> fp32 compute; pass compute='bf16' to force"
+
+
+def ipex_status() -> tuple[Any, str]:
+    """``(module, "")`` when intel_extension_for_pytorch imports and matches torch's major.minor, else ``(None, why)``."""
+    try:
+        import intel_extension_for_pytorch as ipex  # type: ignore[import-not-found]
+    except ImportError:
+        return None, "intel_extension_for_pytorch is not installed (its last release, 2.8, needs torch 2.8.*)"
+    except Exception as err:  # a mismatched build can fail while loading its C++ extension
+        return None, f"intel_extension_for_pytorch failed to import: {type(err).__name__}: {err}"
+    want = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    have = ".".join(str(getattr(ipex, "__version__", "?")).split("+")[0].split(".")[:2])
+    if have != want:
+        return None, f"intel_extension_for_pytorch {ipex.__version__} does not match torch {torch.__version__}"
+    return ipex, ""
+
+
+# ---------------------------------------------------------------------------------------------- the plugin
+
+
+class HorizonPrecision(Precision):
+    """bf16 mixed / true precision with fp32 or Kahan masters, an ISA-aware compute dtype and an fp32 grad norm.
+
+    Args:
+        mode: ``"bf16-mixed"`` (fp32 weights, grads, state; bf16 autocast), ``"bf16-true"`` (bf16 weights with a
+            master), or ``"auto"`` (= ``"bf16-mixed"``: the right choice on any hardware).
+        master: bf16-true only: ``"kahan"`` (default; bf16 weights + bf16 compensation, bf16 optimizer state
+            between steps) or ``"fp32"`` (an fp32 master copy the optimizer updates, copied back each step).
+        compute: ``"auto"`` (bf16 only where it runs in hardware), ``"bf16"`` or ``"fp32"`` (force).
+        backend: ``"native"`` (torch), ``"ipex"`` or ``"auto"`` (``ipex.optimize`` when it imports and matches
+            torch; otherwise native, with a message). Applies to bf16-mixed; bf16-true manages its own weights.
+        state_rounding: kahan only: how the optimizer state is rounded to bf16 between steps. ``"stochastic"``
+            (default, seeded, resumes exactly) keeps slow averages such as Adam's ``exp_avg_sq`` (beta2=0.999)
+            unbiased; ``"nearest"`` freezes them once a step's change is below bf16's half-ulp.
+        step_chunk_numel: kahan only: the optimizer steps on at most this many elements at a time, so the fp32
+            temporaries of the step stay bounded (16 B per element for AdamW). Step hooks still run once per step.
+        seed: kahan only: seed of the stochastic-rounding generator (the same on every rank keeps replicas equal).
+    """
+
+    def __init__(
+        self,
+        mode: str = "auto",
+        master: Optional[str] = None,
+        compute: str = "auto",
+        backend: str = "native",
+        *,
+        state_rounding: str = "stochastic",
+        step_chunk_numel: int = 1 << 22,
+        seed: int = 0,
+    ) -> None:
+        _check("mode", mode, MODES)
+        if mode == "bf16-true":
+            _check("master", master, (*MASTERS, None))
+        elif master is not None:
+            raise ValueError(
+                f"HorizonPrecision(master={master!r}) with mode={mode!r}: only mode='bf16-true' has a master"
+                f" (allowed there: {', '.join(map(repr, MASTERS))}); {mode!r} keeps the parameters themselves in"
+                " fp32, so pass master=None"
+            )
+        _check("compute", compute, COMPUTES)
+        _check("backend", backend, BACKENDS)
+        _check("state_rounding", state_rounding, STATE_ROUNDINGS)
+        if isinstance(step_chunk_numel, bool) or not isinstance(step_chunk_numel, int) or step_chunk_numel < 1:
+            raise ValueError(f"HorizonPrecision(step_chunk_numel={step_chunk_numel!r}): allowed is an int >= 1")
+        self.requested_mode = mode
+        self.mode = "bf16-mixed" if mode == "auto" else mode
+        self.master = (master or "kahan") if self.mode == "bf16-true" else None
+        self.requested_compute = compute
+        self.backend = backend
+        self.state_rounding = state_rounding
+        self.step_chunk_numel = step_chunk_numel
+        self.seed = seed
+        #: fp32 0-dim tensor: the global norm of the gradients the step will use, measured before the
+        #: ``on_before_optimizer_step`` callbacks, and again (pre-clip) when Lightning clips by norm.
+        self.last_grad_norm: Optional[Tensor] = None
+        self._device_type = "cpu"
+        self._set_compute(*resolve_compute(compute, "cpu"))
+        self._module: Optional[Module] = None
+        self._names: dict[Tensor, str] = {}  # module parameter -> its state_dict name
+        self._masters: dict[Tensor, Tensor] = {}  # bf16 module parameter -> fp32 master (master="fp32")
+        self._param_of: dict[Tensor, Tensor] = {}  # fp32 master -> bf16 module parameter
+        self._comp: dict[Tensor, Tensor] = {}  # bf16 module parameter -> bf16 compensation (master="kahan")
+        self._slots: list[tuple[Module, str]] = []  # where the fp32-compute forward swaps in upcast weights
+        self._upcasting = False
+        self._generators: dict[str, torch.Generator] = {}
+        self._pending: Optional[dict[str, Any]] = None  # state loaded before connect()
+
+    def _set_compute(self, compute: str, reason: str) -> None:
+        self.compute, self.reason = compute, reason
+        # what `trainer.precision` and the model summary report: the arithmetic that really runs
+        self.precision = "bf16-true" if self.mode == "bf16-true" else ("bf16-mixed" if compute == "bf16" else "32-true")
+
+    @property
+    def policy(self) -> str:
+        """The dtype policy in one line (logged once at setup on rank zero)."""
+        if self.mode == "bf16-mixed":
+            store = "weights, grads and optimizer state fp32"
+        elif self.master == "fp32":
+            store = "weights bf16 + fp32 master, grads fp32 (master), optimizer state fp32"
+        else:
+            store = f"weights bf16 + bf16 Kahan compensation, grads bf16, optimizer state bf16 ({self.state_rounding})"
+        return f"HorizonPrecision(mode={self.mode!r}): {store}; {self.reason}"
+
+    # ------------------------------------------------------------------ setup
+
+    @override
+    def convert_module(self, module: Module) -> Module:
+        self._module = module
+        if self.mode == "bf16-true":
+            for p in module.parameters():
+                if p.is_floating_point() and p.dtype != torch.bfloat16:
+                    p.data = p.data.to(torch.bfloat16)  # .data keeps the Parameter objects (and any ties) intact
+        return module
+
+    @override
+    def connect(
+        self, model: Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
+    ) -> tuple[Module, list[Optimizer], list[Any]]:
+        module = self._module if self._module is not None else model
+        self._module = module
+        first = next(iter(module.parameters()), None)
+        self._device_type = first.device.type if first is not None else "cpu"
+        self._set_compute(*resolve_compute(self.requested_compute, self._device_type))
+        if rank_zero_only.rank == 0:
+            log.info(self.policy)
+        self._names = {p: n for n, p in module.named_parameters()}
+        if self.mode == "bf16-true":
+            if self.compute == "bf16":  # bf16 activations meet bf16 buffers (HalfPrecision does the same)
+                for b in module.buffers():
+                    if b.is_floating_point():
+                        b.data = b.data.to(torch.bfloat16)
+            else:
+                self._slots = [(m, n) for m in module.modules() for n, p in m._parameters.items() if p is not None]
+            for opt in optimizers:
+                self._wrap_optimizer(opt)
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self.load_state_dict(pending)
+        if self.backend != "native":
+            optimizers = self._ipex(module, optimizers)
+        return model, optimizers, lr_schedulers
+
+    def _wrap_optimizer(self, opt: Optimizer) -> None:
+        if isinstance(opt, LBFGS):
+            raise ValueError(
+                "HorizonPrecision(mode='bf16-true') cannot wrap LBFGS (it re-evaluates the closure inside step);"
+                " use mode='bf16-mixed' or another optimizer"
+            )
+        for group in opt.param_groups:
+            for i, x in enumerate(group["params"]):
+                p = self._param_of.get(x, x)  # an optimizer object reused across fits already holds masters
+                if p not in self._names:
+                    raise ValueError(
+                        f"HorizonPrecision(mode='bf16-true'): the optimizer {type(opt).__name__} holds a tensor of"
+                        f" shape {tuple(p.shape)} that is not a parameter of the LightningModule"
+                    )
+                if p.dtype != torch.bfloat16:
+                    continue  # integer / frozen-in-other-dtype parameters: stepped as they are
+                if self.master == "fp32":
+                    m = self._masters.get(p)
+                    if m is None or not torch.equal(m.detach().to(torch.bfloat16), p.detach()):
+                        m = torch.nn.Parameter(p.detach().float(), requires_grad=p.requires_grad)  # weights changed
+                    self._masters[p], self._param_of[m] = m, p
+                    group["params"][i] = m
+                    if x is not m and x in opt.state:
+                        opt.state[m] = _cast_state(opt.state.pop(x), p, torch.float32)
+                elif p not in self._comp:  # a kept buffer holds at most half an ulp: harmless if weights changed
+                    self._comp[p] = torch.zeros_like(p, dtype=torch.bfloat16)
+
+    def _ipex(self, module: Module, optimizers: list[Optimizer]) -> list[Optimizer]:
+        ipex, why = ipex_status()
+        if ipex is None or self.mode != "bf16-mixed" or len(optimizers) > 1:
+            if ipex is not None:
+                why = "ipex.optimize is applied to mode='bf16-mixed' with one optimizer only"
+            level = logging.WARNING if self.backend == "ipex" else logging.INFO
+            if rank_zero_only.rank == 0:
+                log.log(level, "HorizonPrecision(backend=%r): using native torch: %s", self.backend, why)
+            return optimizers
+        # fp32 weights (autocast does the bf16 part); prepacking replaces parameters, which a DDP wrapper
+        # built before this point would not see, so only a single process prepacks
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        kwargs: dict[str, Any] = {"inplace": True, "weights_prepack": not distributed}  # dtype None: fp32
+        if optimizers:
+            kwargs["optimizer"] = optimizers[0]
+        out = ipex.optimize(module, **kwargs)
+        if rank_zero_only.rank == 0:
+            log.info("HorizonPrecision: ipex %s optimize(weights_prepack=%s)", ipex.__version__, not distributed)
+        return [out[1]] if optimizers else optimizers
+
+    # ------------------------------------------------------------------ forward
+
+    @override
+    def forward_context(self) -> Any:
+        if self.mode == "bf16-true" and self.compute == "fp32":
+            return self._upcast_weights()
+        if self.compute == "bf16":
+            return self._bf16_context()
+        return nullcontext()
+
+    @contextmanager
+    def _bf16_context(self) -> Generator[None, None, None]:
+        # autocast also on bf16 weights: CPU autocast runs the losses (cross_entropy, nll, mse) in fp32
+        default = torch.get_default_dtype()
+        if self.mode == "bf16-true":
+            torch.set_default_dtype(torch.bfloat16)
+        try:
+            with torch.autocast(self._device_type, dtype=torch.bfloat16, cache_enabled=False):
+                yield
+        finally:
+            torch.set_default_dtype(default)
+
+    @contextmanager
+    def _upcast_weights(self) -> Generator[None, None, None]:
+        """Swap each bf16 parameter for a differentiable fp32 copy during the forward: fp32 matmuls, bf16 grads."""
+        if self._upcasting:  # nested step contexts: the outer one already swapped
+            yield
+            return
+        casts: dict[Tensor, Tensor] = {}  # one copy per parameter: tied weights stay tied
+        swapped = []
+        for mod, name in self._slots:
+            p = mod._parameters[name]
+            if p is None or p.dtype != torch.bfloat16:
+                continue
+            if p not in casts:
+                casts[p] = p.float()
+            mod._parameters[name] = casts[p]  # plain dict write: state_dict keys and hooks stay untouched
+            swapped.append((mod, name, p))
+        self._upcasting = True
+        try:
+            yield
+        finally:
+            self._upcasting = False
+            for mod, name, p in reversed(swapped):
+                mod._parameters[name] = p
+
+    @override
+    def convert_input(self, data: Any) -> Any:
+        if self.mode == "bf16-true" and self.compute == "bf16":
+            return _map_float_tensors(data, lambda t: t.to(torch.bfloat16))
+        return data
+
+    # ------------------------------------------------------------------ optimizer step
+
+    @override
+    def _after_closure(self, model: "pl.LightningModule", optimizer: Any) -> None:
+        # masters first, so the callbacks (GradNormBackoff) read and clip the gradients the step will use
+        if self.master == "fp32":
+            self._grads_to_masters(optimizer)
+        self.last_grad_norm = total_norm_fp32(list(self.main_params(optimizer)))
+        super()._after_closure(model, optimizer)
+
+    def _grads_to_masters(self, optimizer: Optimizer) -> None:
+        for group in optimizer.param_groups:
+            for m in group["params"]:
+                p = self._param_of.get(m)
+                if p is None or p.grad is None:
+                    continue
+                g = p.grad.detach().float()
+                if m.grad is None:
+                    m.grad = g
+                else:  # no zero_grad since the last step: accumulate, as torch would, but in fp32
+                    m.grad.add_(g)
+                p.grad = None
+
+    @override
+    def optimizer_step(
+        self, optimizer: Any, model: "pl.LightningModule", closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:
+        if self.mode != "bf16-true":
+            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        closure_result = closure()
+        self._after_closure(model, optimizer)
+        if closure_result is None and model.automatic_optimization:
+            return closure_result  # training_step returned None: no backward, no step (as Lightning's AMP)
+        if self.master == "fp32":
+            out = optimizer.step(**kwargs)
+            with torch.no_grad():
+                for group in optimizer.param_groups:
+                    for m in group["params"]:
+                        p = self._param_of.get(m)
+                        if p is not None and m.grad is not None:  # a param without grad was not stepped
+                            p.copy_(m)
+            return out
+        return self._kahan_step(optimizer, kwargs)
+
+    def _kahan_step(self, optimizer: Optimizer, kwargs: dict[str, Any]) -> Any:
+        todo = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None and p in self._comp]
+        if not todo:  # nothing to update (e.g. a skipped step): still one call, so step hooks run as usual
+            return optimizer.step(**kwargs)
+        chunks: list[list[Tensor]] = [[]]
+        size = 0
+        for p in todo:
+            if chunks[-1] and size + p.numel() > self.step_chunk_numel:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(p)
+            size += p.numel()
+        grads = {p: p.grad for p in todo}
+        for p in todo:
+            p.grad = None  # the step sees only the current chunk
+        pre, post = optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks
+        out = None
+        try:
+            for i, chunk in enumerate(chunks):
+                # step hooks once per training step: pre-hooks with the first chunk, post-hooks with the last
+                optimizer._optimizer_step_pre_hooks = pre if i == 0 else OrderedDict()
+                optimizer._optimizer_step_post_hooks = post if i == len(chunks) - 1 else OrderedDict()
+                stored = [self._upcast_param(optimizer, p, grads[p]) for p in chunk]
+                try:
+                    out = optimizer.step(**kwargs)
+                finally:
+                    for p, bf in zip(chunk, stored):
+                        self._fold_param(optimizer, p, bf)
+        finally:
+            optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks = pre, post
+            for p in todo:
+                p.grad = grads[p]
+        return out
+
+    @torch.no_grad()
+    def _upcast_param(self, optimizer: Optimizer, p: Tensor, grad: Tensor) -> Tensor:
+        """Make ``p`` the fp32 true weight (bf16 weight + compensation) with an fp32 grad and fp32 state."""
+        stored = p.data
+        p.data = stored.float().add_(self._comp[p])
+        p.grad = grad.float()
+        state = optimizer.state.get(p)
+        if state:
+            optimizer.state[p] = _cast_state(state, p, torch.float32)
+        return stored
+
+    @torch.no_grad()
+    def _fold_param(self, optimizer: Optimizer, p: Tensor, stored: Tensor) -> None:
+        """Round the stepped fp32 weight into bf16 weight + bf16 compensation (the residual); state back to bf16."""
+        w = p.data
+        p.grad = None
+        stored.copy_(w)  # round to nearest
+        self._comp[p].copy_(w.sub_(stored))  # what bf16 could not hold, kept for the next step
+        p.data = stored
+        state = optimizer.state.get(p)
+        if state:
+            optimizer.state[p] = _cast_state(state, p, torch.bfloat16, self._round_bf16)
+
+    def _round_bf16(self, x: Tensor) -> Tensor:
+        if self.state_rounding == "nearest":
+            return x.to(torch.bfloat16)
+        gen = self._generator(x.device)
+        noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=gen)
+        # add a uniform fraction of one bf16 ulp below the kept bits, then truncate: unbiased rounding
+        bits = x.contiguous().view(torch.int32).add_(noise).bitwise_and_(-65536)
+        return bits.view(torch.float32).to(torch.bfloat16)  # exact: the low 16 bits are zero
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        key = str(device)
+        if key not in self._generators:
+            self._generators[key] = torch.Generator(device=device)
+            self._generators[key].manual_seed(self.seed)
+        return self._generators[key]
+
+    # ------------------------------------------------------------------ clipping
+
+    @override
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
+        params = list(self.main_params(optimizer))
+        self.last_grad_norm = total_norm_fp32(params)  # pre-clip, after the callbacks
+        clip_grads_(params, clip_val, self.last_grad_norm)
+
+    # ------------------------------------------------------------------ checkpoint
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        if self.mode != "bf16-true":
+            return {}  # the fp32 parameters are the whole truth (an empty dict is not written)
+        return {
+            "version": _STATE_VERSION,
+            "mode": self.mode,
+            "master": self.master,
+            "masters": {self._names[p]: m.detach() for p, m in self._masters.items() if p in self._names},
+            "compensation": {self._names[p]: c for p, c in self._comp.items() if p in self._names},
+            "rng": {k: g.get_state() for k, g in self._generators.items()},
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not state_dict:
+            return
+        if not self._names:  # before setup: applied in connect(), once the masters exist
+            self._pending = state_dict
+            return
+        masters, comps = state_dict.get("masters", {}), state_dict.get("compensation", {})
+        if state_dict.get("master") != self.master and rank_zero_only.rank == 0:
+            log.info("HorizonPrecision: resuming master=%r from a checkpoint written with master=%r (converted)",
+                     self.master, state_dict.get("master"))
+        with torch.no_grad():
+            for p, name in self._names.items():
+                exact = masters[name].float() if name in masters else None
+                if exact is None and name in comps:
+                    exact = p.float() + comps[name].float()
+                if exact is None:
+                    continue
+                if self.mode == "bf16-mixed":
+                    p.copy_(exact)  # fp32 parameters take the full-precision weights
+                elif p in self._masters:
+                    self._masters[p].copy_(exact)
+                elif p in self._comp:
+                    self._comp[p].copy_(comps[name] if name in comps else exact - p.float())
+        for key, rng in state_dict.get("rng", {}).items():
+            self._generator(torch.device(key)).set_state(rng)
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+def _check(name: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(
+            f"HorizonPrecision({name}={value!r}): allowed are {', '.join(repr(a) for a in allowed)}"
+        )
+
+
+def _cast_state(
+    state: dict[str, Any], p: Tensor, dtype: torch.dtype, fn: Optional[Callable[[Tensor], Tensor]] = None
+) -> dict[str, Any]:
+    """The per-element floating state of ``p`` (moments etc.) in ``dtype``; scalars such as ``step`` untouched."""
+    out = {}
+    for k, v in state.items():
+        if k != "step" and isinstance(v, Tensor) and v.is_floating_point() and v.dim() > 0 and v.shape == p.shape:
+            v = v if v.dtype == dtype else (fn(v) if fn is not None else v.to(dtype))
+        out[k] = v
+    return out
+
+
+def _map_float_tensors(data: Any, fn: Callable[[Tensor], Tensor]) -> Any:
+    if isinstance(data, Tensor):
+        return fn(data) if data.is_floating_point() else data
+    if isinstance(data, (list, tuple)) and not hasattr(data, "_fields"):
+        return type(data)(_map_float_tensors(x, fn) for x in data)
+    if isinstance(data, dict):
+        return type(data)((k, _map_float_tensors(v, fn)) for k, v in data.items())
+    return data
+
+
+def held_bytes(module: Module, optimizers: list[Optimizer], precision: Any = None) -> dict[str, int]:
+    """Bytes the weights, master copies / compensation, gradients and optimizer state occupy now (shared storage
+    counted once). Call it after a step, before ``zero_grad``, to see everything a training step holds."""
+    seen: set[int] = set()
+
+    def nbytes(tensors: Any) -> int:
+        total = 0
+        for t in tensors:
+            if isinstance(t, Tensor) and t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                total += t.untyped_storage().nbytes()
+        return total
+
+    params = list(module.parameters())
+    opt_params = [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
+    extra = [*getattr(precision, "_masters", {}).values(), *getattr(precision, "_comp", {}).values()]
+    out = {"weights": nbytes(params), "master": nbytes(extra + opt_params)}
+    out["grads"] = nbytes(p.grad for p in params + opt_params)
+    out["state"] = nbytes(v for opt in optimizers for st in opt.state.values() for v in st.values())
+    out["total"] = sum(out.values())
+    return out
+
+
+def bytes_per_param(mode: str, master: Optional[str] = None, state_tensors: int = 2) -> dict[str, int]:
+    """Bytes held per parameter between steps (weights, master or compensation, grads, optimizer state).
+
+    ``state_tensors`` is the optimizer's per-element state tensors (AdamW: 2, SGD with momentum: 1). The
+    ``"fp32"`` mode is plain fp32 training (Lightning's ``"32-true"``).
+    """
+    if mode in ("fp32", "auto", "bf16-mixed"):
+        parts = {"weights": 4, "master": 0, "grads": 4, "state": 4 * state_tensors}
+    elif master == "fp32":
+        parts = {"weights": 2, "master": 4, "grads": 4, "state": 4 * state_tensors}
+    else:
+        parts = {"weights": 2, "master": 2, "grads": 2, "state": 2 * state_tensors}
+    parts["total"] = sum(parts.values())
+    return parts

@@ -1,0 +1,316 @@
+"""HorizonStrategy: Lightning's DDP, made for CPU machines and CPU clusters.
+
+It keeps DDPStrategy's whole lifecycle (launchers, samplers, no_sync on accumulation micro-steps, manual
+optimization) and adds what CPUs need: a process-group backend chosen for the CPU (oneCCL when its torch
+binding is installed, else gloo), per-rank core pinning and thread sizing, the node topology and its process
+groups for the collectives, DDP comm hooks that are really registered on CPU, a collective timeout that ends
+a job whose peer is gone, and one checkpoint key under which each part keeps its per-rank state.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from datetime import timedelta
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.strategy import Strategy
+from typing_extensions import override
+
+from lightning_horizon import cpu
+from lightning_horizon.topology import ProcessGroups, Topology, check_ranks_per_node
+
+log = logging.getLogger(__name__)
+
+#: Collective timeout: long enough for a slow checkpoint write on rank 0 while the others wait in a barrier,
+#: short enough that a lost peer ends the job instead of hanging it for torch's default 30 minutes.
+DEFAULT_TIMEOUT_S = 600.0
+_BACKENDS = ("gloo", "ccl", "mpi", "nccl")
+_CHECKPOINT_KEY = "HorizonStrategy"
+
+
+def _ccl_available() -> bool:
+    """True when oneCCL's torch binding imports (importing it registers the ``ccl`` backend)."""
+    try:
+        importlib.import_module("oneccl_bindings_for_pytorch")
+        return True
+    except Exception:  # ImportError, or a binding built for another torch
+        return False
+
+
+class HorizonStrategy(DDPStrategy):
+    """Multi-process data-parallel training on CPUs, topology-aware.
+
+    Args:
+        ranks_per_node: ranks per (emulated) node; ``None`` takes the launcher's local world size. Must divide
+            the world size. Setting it below the launcher's lets one machine emulate several nodes.
+        bucket_size_mb: DDP gradient bucket size in MiB (the unit each comm hook call reduces).
+        timeout: collective timeout in seconds (or a ``timedelta``): a rank that waits longer for a peer fails.
+        process_group_backend: ``"gloo"``, ``"ccl"``, ``"mpi"`` or ``"nccl"``; ``None`` picks ``ccl`` when
+            ``oneccl_bindings_for_pytorch`` imports, else ``gloo`` on CPU (``nccl`` on CUDA).
+        pin_cores: pin each local rank to its own contiguous slice of cores (inside one NUMA domain where the
+            ranks divide the domains) and size its thread pool to it.
+        threads_per_rank: intra-op threads per rank; ``None`` uses one per pinned core.
+        ddp_comm_state, ddp_comm_hook, ddp_comm_wrapper: a DDP comm hook of your own, registered on CPU too.
+        **kwargs: passed to ``DDPStrategy`` and on to ``DistributedDataParallel`` (e.g. ``static_graph``).
+    """
+
+    strategy_name = "horizon"
+
+    def __init__(
+        self,
+        accelerator: Optional[Any] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[Any] = None,
+        checkpoint_io: Optional[Any] = None,
+        precision_plugin: Optional[Any] = None,
+        *,
+        ranks_per_node: Optional[int] = None,
+        bucket_size_mb: float = 8,
+        timeout: Union[float, timedelta] = DEFAULT_TIMEOUT_S,
+        process_group_backend: Optional[str] = None,
+        pin_cores: bool = True,
+        threads_per_rank: Optional[int] = None,
+        **kwargs: Any,
+    ) -> None:
+        # Every check runs here, in the Trainer's constructor: before a launcher starts a process or a group.
+        check_ranks_per_node(ranks_per_node)
+        if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (int, float)) or not bucket_size_mb > 0:
+            raise ValueError(f"bucket_size_mb={bucket_size_mb!r}: must be a number > 0 (MiB per DDP bucket)")
+        if "bucket_cap_mb" in kwargs:
+            raise ValueError("bucket_cap_mb: pass bucket_size_mb= to HorizonStrategy instead (same meaning)")
+        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+            raise ValueError(f"timeout={timeout!r}: must be > 0 (seconds, or a timedelta)")
+        if process_group_backend is not None and process_group_backend not in _BACKENDS:
+            raise ValueError(
+                f"process_group_backend={process_group_backend!r}: allowed are {_BACKENDS} or None (auto)"
+            )
+        if threads_per_rank is not None and (
+            isinstance(threads_per_rank, bool) or not isinstance(threads_per_rank, int) or threads_per_rank < 1
+        ):
+            raise ValueError(f"threads_per_rank={threads_per_rank!r}: must be an int >= 1 or None (one per core)")
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timedelta(seconds=seconds),
+            bucket_cap_mb=bucket_size_mb,
+            **kwargs,
+        )
+        self._ranks_per_node = ranks_per_node
+        self._pin_cores = pin_cores
+        self._threads_per_rank = threads_per_rank
+        self.topology: Optional[Topology] = None
+        self.process_groups: Optional[ProcessGroups] = None
+        #: per-rank facts gathered at setup (rank, node, local rank, cores, threads, shared): the startup table
+        self.placement: list[dict[str, Any]] = []
+        #: named parts with per-rank state (state_dict/load_state_dict) kept under one checkpoint key
+        self._parts: dict[str, Any] = {}
+        self._loaded_parts: Optional[dict[str, Any]] = None
+        self._reported = False
+
+    # ------------------------------------------------------------------ processes, groups, cores
+
+    @property
+    def _world_size_planned(self) -> int:
+        return self.num_nodes * self.num_processes
+
+    @override
+    def _configure_launcher(self) -> None:
+        # The world size is known from here on (the Trainer set devices and num_nodes): check the topology
+        # before the launcher starts any process.
+        check_ranks_per_node(self._ranks_per_node, self._world_size_planned)
+        super()._configure_launcher()
+
+    @override
+    def _get_process_group_backend(self) -> str:
+        if self._process_group_backend:
+            return self._process_group_backend
+        if self.root_device.type == "cpu":
+            return "ccl" if _ccl_available() else "gloo"
+        return super()._get_process_group_backend()
+
+    @override
+    def setup_distributed(self) -> None:
+        if self._world_size_planned > 1:
+            super().setup_distributed()
+            return
+        # One process: no process group (nothing to reduce), just the rank bookkeeping.
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._get_process_group_backend()
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.topology = Topology(
+            world_size=self.world_size, rank=self.global_rank, ranks_per_node=self._ranks_per_node or self.num_processes
+        )
+        self.process_groups = ProcessGroups(self.topology)
+        self._place_and_report()
+
+    def _place_and_report(self) -> None:
+        """Pin this rank's cores, gather every rank's placement, and print the startup table on rank 0."""
+        assert self.topology is not None
+        shared = False
+        if self._pin_cores and self.root_device.type == "cpu":
+            cores, shared = cpu.plan_cores(self.local_rank, self.num_processes, cpu.available_cores())
+            threads = cpu.pin(cores, self._threads_per_rank)
+        else:
+            cores = sorted(cpu.available_cores())
+            threads = torch.get_num_threads()
+        row = {
+            "rank": self.global_rank,
+            "node": self.topology.node_rank,
+            "local_rank": self.topology.local_rank,
+            "cores": cores,
+            "threads": threads,
+            "shared": shared,
+        }
+        self.placement = self._all_gather_objects(row)
+        if any(r["shared"] for r in self.placement) and self.global_rank == 0 and not self._reported:
+            log.warning(
+                f"HorizonStrategy: {self.num_processes} ranks per machine but only {len(cpu.available_cores())}"
+                " cores: ranks share cores round-robin (slower than one core each; fine for tests)"
+            )
+        if self.global_rank == 0 and not self._reported:
+            log.info(self.startup_table())  # once per strategy: validate/test/predict set up again
+            self._reported = True
+
+    def _all_gather_objects(self, obj: Any) -> list[Any]:
+        if not (dist.is_available() and dist.is_initialized()):
+            return [obj]
+        out: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+
+    def startup_table(self) -> str:
+        """Topology, per-rank cores and threads, ISA, backend and allocator, as printed at fit start."""
+        assert self.topology is not None
+        isa = cpu.isa()
+        alloc = cpu.allocator()
+        lines = [
+            f"HorizonStrategy: {self.topology.num_nodes} node(s) x {self.topology.ranks_per_node} rank(s)"
+            f" | backend {self._process_group_backend or 'none (1 process)'}"
+            f" | ISA {isa.name} (torch {isa.torch_capability}, native bf16: {'yes' if isa.native_bf16 else 'no'})"
+            f" | allocator {alloc or 'glibc malloc'}",
+            f"{'rank':>5} {'node':>5} {'local':>6} {'threads':>8}  cores",
+        ]
+        for r in self.placement:
+            lines.append(
+                f"{r['rank']:>5} {r['node']:>5} {r['local_rank']:>6} {r['threads']:>8}  {_cpulist(r['cores'])}"
+                + ("  (shared)" if r["shared"] else "")
+            )
+        if alloc is None:
+            lines.append(f"hint: {cpu.ALLOCATOR_HINT}")
+        return "\n".join(lines)
+
+    # ------------------------------------------------------------------ DDP and comm hooks
+
+    @override
+    def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        if self.world_size == 1:
+            return model  # one process: nothing to synchronize, keep the plain module
+        return super()._setup_model(model)
+
+    def _comm_hook(self) -> tuple[Optional[object], Optional[Callable]]:
+        """The (state, hook) pair to register on the DDP model; a user's own hook when given."""
+        return self._ddp_comm_state, self._ddp_comm_hook
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        # Lightning registers comm hooks on CUDA only and drops them silently on CPU; register on every device.
+        state, hook = self._comm_hook()
+        if hook is None:
+            return
+        _register_ddp_comm_hook(
+            model=self.model, ddp_comm_state=state, ddp_comm_hook=hook, ddp_comm_wrapper=self._ddp_comm_wrapper
+        )
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        if self.world_size > 1:
+            super().setup(trainer)
+        else:
+            # One process: the base Strategy's setup (precision, optimizers) without DDP's wrapping and without
+            # DDPStrategy's broadcast of module states, which needs a process group.
+            Strategy.setup(self, trainer)
+        self._restore_parts()
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        for part in self._parts.values():
+            if hasattr(part, "after_optimizer_step"):
+                part.after_optimizer_step()
+        return output
+
+    # ------------------------------------------------------------------ checkpoint state of the parts
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        # Called on every rank; the parts' state differs per rank (error feedback, plans), so gather it all
+        # to rank 0, which writes the file.
+        if self._parts:
+            states = {name: part.state_dict() for name, part in self._parts.items()}
+            checkpoint[_CHECKPOINT_KEY] = {"world_size": self.world_size, "ranks": self._all_gather_objects(states)}
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._loaded_parts = checkpoint.get(_CHECKPOINT_KEY)
+        self._restore_parts()  # parts that exist already; the others are restored when setup creates them
+        return checkpoint
+
+    def _restore_parts(self) -> None:
+        saved = self._loaded_parts
+        if saved is None or not self._parts:
+            return
+        if saved["world_size"] != self.world_size:
+            log.warning(
+                f"HorizonStrategy: checkpoint saved with world size {saved['world_size']}, resuming with"
+                f" {self.world_size}: the per-rank state of {sorted(self._parts)} starts fresh"
+            )
+        else:
+            mine = saved["ranks"][self.global_rank]
+            for name, part in self._parts.items():
+                if name in mine:
+                    part.load_state_dict(mine[name])
+        self._loaded_parts = None
+
+    # ------------------------------------------------------------------ registration
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        entries = (("horizon", "popen"), ("horizon_spawn", "spawn"), ("horizon_fork", "fork"))
+        for name, start_method in entries:
+            if name in strategy_registry:
+                continue  # idempotent: re-importing the package must not fail
+            strategy_registry.register(
+                name, cls, description=f"HorizonStrategy with start_method={start_method!r}", start_method=start_method
+            )
+
+
+def _cpulist(cores: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    spans: list[str] = []
+    for c in sorted(cores):
+        if spans and int(spans[-1].split("-")[-1]) == c - 1:
+            spans[-1] = f"{spans[-1].split('-')[0]}-{c}"
+        else:
+            spans.append(str(c))
+    return ",".join(spans)
+
+
+__all__ = ["HorizonStrategy", "DEFAULT_TIMEOUT_S"]

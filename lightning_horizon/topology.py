@@ -1,0 +1,124 @@
+"""Who is where: nodes, local ranks, and the process groups the collectives use.
+
+A rank's place is ``rank = node_rank * ranks_per_node + local_rank``, the order every launcher Lightning
+knows assigns. ``ranks_per_node`` normally equals the launcher's local world size; overriding it lets several
+"nodes" be emulated on one machine (tests, benchmarks).
+
+Process groups are created collectively: every rank must call ``torch.distributed.new_group`` for every group,
+in the same order, even for groups it is not part of. ``ProcessGroups`` does exactly that, once, at setup, and
+caches the grids so that the collectives never create a group on a hot path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The placement of ``world_size`` ranks on ``world_size // ranks_per_node`` nodes."""
+
+    world_size: int
+    rank: int
+    ranks_per_node: int
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world_size={self.world_size!r}: must be >= 1")
+        check_ranks_per_node(self.ranks_per_node, self.world_size)
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank={self.rank!r}: must be in [0, {self.world_size})")
+
+    @property
+    def num_nodes(self) -> int:
+        return self.world_size // self.ranks_per_node
+
+    @property
+    def node_rank(self) -> int:
+        return self.rank // self.ranks_per_node
+
+    @property
+    def local_rank(self) -> int:
+        return self.rank % self.ranks_per_node
+
+    def node_ranks(self, node_rank: int) -> list[int]:
+        """The global ranks on one node (the intra-node group of that node)."""
+        start = node_rank * self.ranks_per_node
+        return list(range(start, start + self.ranks_per_node))
+
+    def cross_ranks(self, local_rank: int) -> list[int]:
+        """The global ranks with the same local rank on every node (one inter-node group)."""
+        return list(range(local_rank, self.world_size, self.ranks_per_node))
+
+
+def check_ranks_per_node(ranks_per_node: Optional[int], world_size: Optional[int] = None) -> None:
+    """Raise ``ValueError`` naming ``ranks_per_node`` when it is not a positive divisor of the world size."""
+    if ranks_per_node is None:
+        return
+    if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1:
+        raise ValueError(f"ranks_per_node={ranks_per_node!r}: must be a positive int (or None for the launcher's)")
+    if world_size is not None and world_size % ranks_per_node:
+        raise ValueError(
+            f"ranks_per_node={ranks_per_node!r} does not divide the world size {world_size}:"
+            f" allowed are the divisors {[d for d in range(1, world_size + 1) if world_size % d == 0]}"
+        )
+
+
+@dataclass
+class Grid:
+    """The ranks laid on a ``rows x cols`` grid, row-major: row ``r`` holds ranks ``r*cols .. r*cols+cols-1``.
+
+    ``row`` is this rank's row group (``cols`` consecutive ranks: with ``cols == ranks_per_node`` the node),
+    ``col`` its column group (``rows`` ranks with stride ``cols``: the inter-node group). ``None`` where a
+    group would hold a single rank, or where no process group is initialized.
+    """
+
+    rows: int
+    cols: int
+    row: Optional[dist.ProcessGroup] = None
+    col: Optional[dist.ProcessGroup] = None
+    row_ranks: list[int] = field(default_factory=list)
+    col_ranks: list[int] = field(default_factory=list)
+
+
+class ProcessGroups:
+    """The intra-node and inter-node groups of a :class:`Topology`, plus any other grid, built once.
+
+    Every rank must construct this object at the same point (the strategy does it in ``setup_environment``)
+    and ask for the same grids in the same order.
+    """
+
+    def __init__(self, topology: Topology) -> None:
+        self.topology = topology
+        self._grids: dict[int, Grid] = {}
+        node = self.grid(topology.ranks_per_node)
+        self.intra, self.inter = node.row, node.col
+        self.intra_ranks, self.inter_ranks = node.row_ranks, node.col_ranks
+
+    def grid(self, cols: int) -> Grid:
+        """The grid with ``cols`` ranks per row (created collectively on first request, then cached)."""
+        world, rank = self.topology.world_size, self.topology.rank
+        if cols < 1 or world % cols:
+            raise ValueError(f"cols={cols!r}: must divide the world size {world}")
+        if cols not in self._grids:
+            rows = world // cols
+            g = Grid(rows=rows, cols=cols)
+            g.row_ranks = [r for r in range(world) if r // cols == rank // cols]
+            g.col_ranks = list(range(rank % cols, world, cols))
+            if dist.is_available() and dist.is_initialized() and world > 1:
+                # new_group is collective over the default group: every rank creates every group, same order.
+                for r in range(rows):
+                    ranks = list(range(r * cols, (r + 1) * cols))
+                    pg = dist.new_group(ranks) if cols > 1 else None
+                    if rank in ranks:
+                        g.row = pg
+                for c in range(cols):
+                    ranks = list(range(c, world, cols))
+                    pg = dist.new_group(ranks) if rows > 1 else None
+                    if rank in ranks:
+                        g.col = pg
+            self._grids[cols] = g
+        return self._grids[cols]

@@ -1,0 +1,97 @@
+"""Run a script in its own process group with a hard timeout, and reap every process it started.
+
+Multi-process tests start a script (Lightning's launcher or torch.multiprocessing spawns the other ranks from
+it); on timeout or failure the whole process group is killed, so a hang never outlives its test.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+REPO = Path(__file__).resolve().parent.parent
+_LAUNCHER_VARS = {"MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "GLOBAL_RANK", "RANK", "WORLD_SIZE",
+                  "LOCAL_WORLD_SIZE", "GROUP_RANK", "PL_GLOBAL_SEED", "PL_SEED_WORKERS", "TORCHELASTIC_RUN_ID"}
+
+
+def run_script(
+    script: str | Path,
+    args: Sequence[str] = (),
+    *,
+    timeout: float = 120,
+    env: Optional[dict] = None,
+    cwd: Optional[str | Path] = None,
+    check: bool = True,
+) -> subprocess.CompletedProcess:
+    """Run ``python script *args``; kill its whole process group on timeout; raise on a non-zero exit."""
+    return run_scripts([(script, args, env)], timeout=timeout, cwd=cwd, check=check)[0]
+
+
+def run_scripts(
+    launches: Sequence[tuple[str | Path, Sequence[str], Optional[dict]]],
+    *,
+    timeout: float = 120,
+    cwd: Optional[str | Path] = None,
+    check: bool = True,
+    prefixes: Optional[Sequence[Sequence[str]]] = None,
+) -> list[subprocess.CompletedProcess]:
+    """Start several ``(script, args, env)`` launches at once (e.g. one per emulated node), each in its own
+    process group, wait for all under one deadline, then kill every group (whatever is left of it).
+
+    ``prefixes`` (one per launch) go before the interpreter, e.g. ``["taskset", "-c", "0"]``.
+    """
+    procs = []
+    for i, (script, args, env) in enumerate(launches):
+        # A launch starts clean: variables a launcher left in this process (an in-process fit sets LOCAL_RANK,
+        # MASTER_PORT, ...) would make the child believe it is a spawned rank and wait for peers forever.
+        inherited = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
+        full_env = {**inherited, "PYTHONUNBUFFERED": "1", **(env or {})}
+        full_env.setdefault("PYTHONPATH", str(REPO))
+        cmd_prefix = list(prefixes[i]) if prefixes else []
+        procs.append(
+            subprocess.Popen(
+                [*cmd_prefix, sys.executable, str(script), *map(str, args)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env=full_env,
+                cwd=str(cwd or REPO),
+                start_new_session=True,  # its own process group: killpg reaches every rank it launches
+            )
+        )
+    deadline = time.monotonic() + timeout
+    results, timed_out = [], False
+    try:
+        for proc in procs:
+            try:
+                out, _ = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                for p in procs:
+                    _kill_group(p.pid)
+                out, _ = proc.communicate()
+            results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, None))
+    finally:
+        for proc in procs:
+            _kill_group(proc.pid)  # leftovers (e.g. ranks still alive after their launcher exited)
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    tails = "\n".join(f"--- {r.args[-3:]} exited {r.returncode}:\n{r.stdout[-5000:]}" for r in results)
+    if timed_out:
+        raise AssertionError(f"timed out after {timeout}s\n{tails}")
+    if check and any(r.returncode != 0 for r in results):
+        raise AssertionError(f"a launch failed\n{tails}")
+    return results
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass

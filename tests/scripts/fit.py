@@ -1,0 +1,147 @@
+"""Run one or more small fits described by a JSON file, and write what each rank saw to JSON.
+
+usage: python fit.py CONFIG.json OUT_PREFIX
+
+CONFIG holds {"runs": [{...}, ...]}; each run names a strategy ("ddp" for Lightning's own, "horizon" for ours),
+its kwargs, devices, num_nodes and the training variant. Lightning's launcher re-executes this script for the
+other local ranks, so every rank runs the same runs in the same order; each writes OUT_PREFIX.rank{R}.json.
+"""
+
+import json
+import sys
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_horizon import HorizonStrategy
+
+
+class TinyLM(L.LightningModule):
+    """A next-token MLP on random tokens: embedding, two hidden layers, a head; several DDP buckets."""
+
+    def __init__(self, manual=False, two_optimizers=False, scheduler=None, vocab=64, dim=32):
+        super().__init__()
+        self.automatic_optimization = not manual
+        self.two_optimizers, self.scheduler = two_optimizers, scheduler
+        self.emb = nn.Embedding(vocab, dim)
+        self.body = nn.Sequential(nn.Linear(dim, 64), nn.GELU(), nn.Linear(64, dim))
+        self.head = nn.Linear(dim, vocab)
+        self.losses, self.lrs = [], []
+
+    def forward(self, x):
+        return self.head(self.body(self.emb(x)))
+
+    def _loss(self, batch):
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+    def training_step(self, batch, batch_idx):
+        loss = self._loss(batch)
+        self.losses.append(loss.item())
+        self.lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
+        self.log("train_loss", loss)
+        if self.automatic_optimization:
+            return loss
+        opts = self.optimizers()
+        opts = opts if isinstance(opts, list) else [opts]
+        for opt in opts:
+            opt.zero_grad()
+        self.manual_backward(loss)
+        for opt in opts:
+            opt.step()
+        return None
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self._loss(batch), sync_dist=True)
+
+    def test_step(self, batch, batch_idx):
+        self.log("test_loss", self._loss(batch), sync_dist=True)
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0]).argmax(-1)
+
+    def configure_optimizers(self):
+        if self.two_optimizers:
+            a = torch.optim.SGD(list(self.emb.parameters()) + list(self.head.parameters()), lr=0.1)
+            b = torch.optim.AdamW(self.body.parameters(), lr=1e-2)
+            return [a, b]
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        if self.scheduler == "cosine":
+            sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=20)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        return opt
+
+
+class _RecordCommHook(L.Callback):
+    """The comm hook DDP reports, read while the model is still wrapped (teardown unwraps it)."""
+
+    def __init__(self, info):
+        self.info = info
+
+    def on_train_start(self, trainer, pl_module):
+        model = trainer.strategy.model
+        if hasattr(model, "_get_ddp_logging_data"):
+            self.info["comm_hook"] = model._get_ddp_logging_data().get("comm_hook")
+
+
+def data(n=256, vocab=64, seed=1234):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, vocab, (n,), generator=g)
+    y = (x * 7 + 3) % vocab  # a learnable mapping: the loss must fall
+    return TensorDataset(x, y)
+
+
+def make_strategy(run):
+    kwargs = dict(run.get("strategy_kwargs", {}))
+    if kwargs.pop("allreduce_hook", False):
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        kwargs["ddp_comm_hook"] = default_hooks.allreduce_hook
+    if run["strategy"] == "horizon":
+        return HorizonStrategy(**kwargs) if kwargs else "horizon"
+    return run["strategy"]
+
+
+def main(config_path, out_prefix):
+    runs = json.load(open(config_path))["runs"]
+    results = []
+    for run in runs:
+        L.seed_everything(run.get("seed", 7), verbose=False)
+        model = TinyLM(manual=run.get("manual", False), two_optimizers=run.get("two_optimizers", False),
+                       scheduler=run.get("scheduler"))
+        trainer = L.Trainer(
+            accelerator="cpu", devices=run.get("devices", 1), num_nodes=run.get("num_nodes", 1),
+            strategy=make_strategy(run), max_steps=run.get("max_steps", 8), max_epochs=run.get("max_epochs", 1),
+            accumulate_grad_batches=run.get("accumulate", 1), logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+            limit_val_batches=2, default_root_dir=run.get("root", "/tmp/horizon_fit"),
+        )
+        loader = DataLoader(data(), batch_size=16)
+        info = {"name": run["name"]}
+        trainer.callbacks.append(_RecordCommHook(info))
+        trainer.fit(model, loader, loader if run.get("validate_during_fit") else None)
+        strategy = trainer.strategy
+        if run.get("evaluate"):
+            info["validate"] = trainer.validate(model, loader, verbose=False)
+            info["test"] = trainer.test(model, loader, verbose=False)
+            info["predict_batches"] = len(trainer.predict(model, loader))
+        if isinstance(strategy, HorizonStrategy):
+            pg = strategy.process_groups
+            info.update(
+                placement=strategy.placement, intra_ranks=pg.intra_ranks, inter_ranks=pg.inter_ranks,
+                backend=strategy.process_group_backend, table=strategy.startup_table() if strategy.placement else "",
+                threads=torch.get_num_threads(),
+            )
+        info.update(losses=model.losses, lrs=model.lrs, rank=trainer.global_rank, world=trainer.world_size,
+                    global_step=trainer.global_step,
+                    param_sum=float(sum(p.detach().double().sum() for p in model.parameters())))
+        results.append(info)
+    rank = results[-1]["rank"] if results else 0
+    with open(f"{out_prefix}.rank{rank}.json", "w") as f:
+        json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,33 @@
+from lightning_horizon import cpu
+
+
+def test_plan_cores_disjoint_contiguous_slices():
+    cores = list(range(10))
+    slices = [cpu.plan_cores(r, 3, cores) for r in range(3)]
+    assert [s for s, _ in slices] == [[0, 1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    assert not any(shared for _, shared in slices)
+
+
+def test_plan_cores_shares_round_robin_when_ranks_exceed_cores():
+    plans = [cpu.plan_cores(r, 4, [0, 1]) for r in range(4)]
+    assert plans == [([0], True), ([1], True), ([0], True), ([1], True)]
+
+
+def test_plan_cores_slices_stay_inside_numa_domains_when_ranks_divide_them(monkeypatch):
+    monkeypatch.setattr(cpu, "numa_domains", lambda: {0: [0, 1, 4, 5], 1: [2, 3, 6, 7]})
+    monkeypatch.setattr(cpu, "_START_AFFINITY", frozenset(range(8)))
+    cores = cpu.available_cores()
+    assert cores == [0, 1, 4, 5, 2, 3, 6, 7]
+    assert [cpu.plan_cores(r, 2, cores)[0] for r in range(2)] == [[0, 1, 4, 5], [2, 3, 6, 7]]
+
+
+def test_isa_is_consistent_with_torch():
+    found = cpu.isa()
+    assert found.native_bf16 == (found.avx512_bf16 or found.amx)
+    if found.torch_capability.startswith("AVX512"):
+        assert found.avx512
+    assert found.name in ("AMX", "AVX512-BF16", "AVX-512", "AVX2", "baseline")
+
+
+def test_cpulist_parsing():
+    assert cpu._parse_cpulist("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]

@@ -1,0 +1,158 @@
+"""HorizonStrategy: parity with Lightning's DDP, topology and pinning, comm hooks on CPU, bad input.
+
+The multi-process tests are real gloo runs of tests/scripts/fit.py under Lightning's own launcher, grouped so
+that one launch covers several fits (process start and `import lightning` cost seconds per rank).
+"""
+
+import json
+import socket
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_horizon import HorizonStrategy
+from tests.launch import run_script, run_scripts
+from tests.scripts.fit import TinyLM, data
+
+FIT = Path(__file__).parent / "scripts" / "fit.py"
+
+
+def _launch(tmp_path, runs, *, nodes=1, tasksets=None, timeout=240):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"runs": runs}))
+    prefix = tmp_path / "out"
+    if nodes == 1:
+        run_script(FIT, [cfg, prefix], timeout=timeout)
+    else:
+        with socket.socket() as s:  # a free port for the rendezvous of the node trees
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env = lambda n: {"NODE_RANK": str(n), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # noqa: E731
+        run_scripts([(FIT, [cfg, prefix], env(n)) for n in range(nodes)], timeout=timeout, prefixes=tasksets)
+    results = {}
+    for path in sorted(tmp_path.glob("out.rank*.json")):
+        for info in json.loads(path.read_text()):
+            results.setdefault(info["name"], {})[info["rank"]] = info
+    return results
+
+
+# ------------------------------------------------------------------ one process, in this process
+
+
+def _fit_one(strategy, steps=6):
+    L.seed_everything(7, verbose=False)
+    model = TinyLM()
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model, torch.utils.data.DataLoader(data(), batch_size=16))
+    return model, trainer
+
+
+def test_one_process_matches_lightning_ddp_and_starts_no_process_group():
+    theirs, _ = _fit_one("ddp")
+    torch.distributed.destroy_process_group()  # Lightning's ddp with one device starts one
+    ours, trainer = _fit_one("horizon")
+    assert isinstance(trainer.strategy, HorizonStrategy)
+    assert not torch.distributed.is_initialized()
+    assert trainer.strategy.model is ours  # no DDP wrapper around a single process
+    torch.testing.assert_close(torch.tensor(ours.losses), torch.tensor(theirs.losses), rtol=1e-6, atol=0)
+    assert ours.losses[-1] < ours.losses[0]
+
+
+def test_registered_names():
+    for name, method in (("horizon", "popen"), ("horizon_spawn", "spawn"), ("horizon_fork", "fork")):
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=name, logger=False)
+        assert isinstance(trainer.strategy, HorizonStrategy)
+        assert trainer.strategy._start_method == method
+    import importlib
+
+    import lightning_horizon
+
+    importlib.reload(lightning_horizon)  # registration is idempotent
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "devices", "needle"),
+    [
+        ({"process_group_backend": "nccl2"}, 1, "process_group_backend='nccl2'"),
+        ({"ranks_per_node": 3}, 2, "ranks_per_node=3"),
+        ({"ranks_per_node": 0}, 1, "ranks_per_node=0"),
+        ({"bucket_size_mb": 0}, 1, "bucket_size_mb=0"),
+        ({"bucket_size_mb": -4}, 1, "bucket_size_mb=-4"),
+        ({"timeout": 0}, 1, "timeout=0"),
+        ({"timeout": -1.5}, 1, "timeout=-1.5"),
+        ({"threads_per_rank": 0}, 1, "threads_per_rank=0"),
+    ],
+)
+def test_bad_input_fails_before_any_process_group(kwargs, devices, needle):
+    with pytest.raises(ValueError, match="allowed|must") as err:
+        L.Trainer(accelerator="cpu", devices=devices, strategy=HorizonStrategy(**kwargs), logger=False)
+    assert needle in str(err.value)
+    assert not torch.distributed.is_initialized()
+
+
+# ------------------------------------------------------------------ real multi-process runs
+
+
+def test_two_processes_match_lightning_ddp_in_every_variant(tmp_path):
+    runs = [
+        {"name": "ddp", "strategy": "ddp", "devices": 2},
+        {"name": "horizon", "strategy": "horizon", "devices": 2},
+        {"name": "hook", "strategy": "horizon", "devices": 2, "max_steps": 2,
+         "strategy_kwargs": {"allreduce_hook": True, "ranks_per_node": 1}},
+        {"name": "manual_ddp", "strategy": "ddp", "devices": 2, "manual": True, "two_optimizers": True, "max_steps": 6},
+        {"name": "manual", "strategy": "horizon", "devices": 2, "manual": True, "two_optimizers": True, "max_steps": 6},
+        {"name": "accum_ddp", "strategy": "ddp", "devices": 2, "accumulate": 2, "scheduler": "cosine", "max_steps": 4},
+        {"name": "accum", "strategy": "horizon", "devices": 2, "accumulate": 2, "scheduler": "cosine", "max_steps": 4,
+         "evaluate": True, "validate_during_fit": True},
+    ]
+    res = _launch(tmp_path, runs)
+    for ours, theirs in (("horizon", "ddp"), ("manual", "manual_ddp"), ("accum", "accum_ddp")):
+        for rank in (0, 1):
+            a, b = res[ours][rank], res[theirs][rank]
+            assert len(a["losses"]) == len(b["losses"]) > 0
+            torch.testing.assert_close(torch.tensor(a["losses"]), torch.tensor(b["losses"]), rtol=1e-6, atol=0)
+            assert a["lrs"] == pytest.approx(b["lrs"])
+            assert a["param_sum"] == pytest.approx(b["param_sum"], rel=1e-6)
+        assert res[ours][0]["param_sum"] == res[ours][1]["param_sum"]  # replicas stay identical
+    assert res["horizon"][0]["losses"][-1] < res["horizon"][0]["losses"][0]
+    assert res["accum"][0]["global_step"] == 4 and len(res["accum"][0]["losses"]) == 8  # 2 micro-batches a step
+    assert "val_loss" in res["accum"][0]["validate"][0] and res["accum"][0]["predict_batches"] > 0
+
+    # A comm hook passed on CPU is really registered (Lightning alone drops it on CPU).
+    assert "allreduce_hook" in res["hook"][0]["comm_hook"]
+    assert res["horizon"][0]["comm_hook"] in (None, "builtin_allreduce")  # no hook asked, none registered
+    # ranks_per_node=1: two emulated nodes of one rank each.
+    assert res["hook"][1]["intra_ranks"] == [1] and res["hook"][1]["inter_ranks"] == [0, 1]
+    # The default placement: one core each, disjoint, threads sized to the cores.
+    placement = res["horizon"][0]["placement"]
+    cores = [set(r["cores"]) for r in placement]
+    assert cores[0].isdisjoint(cores[1]) and not any(r["shared"] for r in placement)
+    assert all(res["horizon"][r]["threads"] == len(cores[r]) for r in (0, 1))
+    assert res["horizon"][0]["backend"] == "gloo"
+
+
+def test_two_nodes_by_node_rank_groups_and_shared_cores(tmp_path):
+    """4 ranks as 2 nodes x 2, each node a separate process tree launched with NODE_RANK (as on a cluster),
+    each node restricted to one core, so its two ranks must share it and the table must say so."""
+    runs = [
+        {"name": "ddp", "strategy": "ddp", "devices": 2, "num_nodes": 2, "max_steps": 4},
+        {"name": "horizon", "strategy": "horizon", "devices": 2, "num_nodes": 2, "max_steps": 4},
+    ]
+    res = _launch(tmp_path, runs, nodes=2, tasksets=[["taskset", "-c", "0"], ["taskset", "-c", "1"]])
+    ours = res["horizon"]
+    assert sorted(ours) == [0, 1, 2, 3]
+    for rank, info in ours.items():
+        node = rank // 2
+        assert info["world"] == 4
+        assert info["intra_ranks"] == [2 * node, 2 * node + 1]
+        assert info["inter_ranks"] == [rank % 2, rank % 2 + 2]
+        torch.testing.assert_close(torch.tensor(info["losses"]), torch.tensor(res["ddp"][rank]["losses"]),
+                                   rtol=1e-6, atol=0)
+    table = ours[0]["table"]
+    assert "2 node(s) x 2 rank(s)" in table and "(shared)" in table
+    by_rank = {r["rank"]: r for r in ours[0]["placement"]}
+    assert by_rank[0]["cores"] == by_rank[1]["cores"] == [0] and by_rank[0]["shared"]
+    assert by_rank[2]["cores"] == by_rank[3]["cores"] == [1]

@@ -4,7 +4,8 @@ import logging as _logging
 
 from lightning.pytorch.strategies import StrategyRegistry as _StrategyRegistry
 
-from lightning_horizon.callbacks import GradNormBackoff
+from lightning_horizon.callbacks import CommMonitor, GradNormBackoff, MemoryMonitor, ThroughputMFUMonitor
+from lightning_horizon.precision import HorizonPrecision
 from lightning_horizon.strategy import HorizonStrategy
 from lightning_horizon.topology import ProcessGroups, Topology
 
@@ -18,5 +19,14 @@ if not _logging.getLogger().hasHandlers():
 
 HorizonStrategy.register_strategies(_StrategyRegistry)  # "horizon", "horizon_spawn", "horizon_fork"
 
-__all__ = ["GradNormBackoff", "HorizonStrategy", "ProcessGroups", "Topology"]
+__all__ = [
+    "CommMonitor",
+    "GradNormBackoff",
+    "HorizonPrecision",
+    "HorizonStrategy",
+    "MemoryMonitor",
+    "ProcessGroups",
+    "ThroughputMFUMonitor",
+    "Topology",
+]
 __version__ = "0.1.0"

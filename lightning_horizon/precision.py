@@ -423,7 +423,7 @@ class HorizonPrecision(Precision):
         p.grad = grad.float()
         state = optimizer.state.get(p)
         if state:
-            optimizer.state[p] = _cast_state(state, p, torch.float32)
+            optimizer.state[p] = _cast_state(state, p, torch.float32)  # in place of the bf16 tensors
         return stored
 
     @torch.no_grad()
@@ -435,17 +435,23 @@ class HorizonPrecision(Precision):
         self._comp[p].copy_(w.sub_(stored))  # what bf16 could not hold, kept for the next step
         p.data = stored
         state = optimizer.state.get(p)
-        if state:
-            optimizer.state[p] = _cast_state(state, p, torch.bfloat16, self._round_bf16)
-
-    def _round_bf16(self, x: Tensor) -> Tensor:
-        if self.state_rounding == "nearest":
-            return x.to(torch.bfloat16)
-        gen = self._generator(x.device)
-        noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=gen)
-        # add a uniform fraction of one bf16 ulp below the kept bits, then truncate: unbiased rounding
-        bits = x.contiguous().view(torch.int32).add_(noise).bitwise_and_(-65536)
-        return bits.view(torch.float32).to(torch.bfloat16)  # exact: the low 16 bits are zero
+        if not state:
+            return
+        bits = None
+        for j, k in enumerate([k for k, v in state.items() if _per_element(k, v, p) and v.dtype != torch.bfloat16]):
+            x = state[k]
+            if self.state_rounding == "nearest":
+                state[k] = x.to(torch.bfloat16)
+                continue
+            # stochastic rounding: add a uniform fraction of one bf16 ulp to the bits bf16 drops, then truncate
+            # (unbiased). One 31-bit draw serves two tensors (bits 0-15 and 15-30): the RNG is the slow part.
+            if j % 2 == 0:
+                bits = torch.empty(x.shape, dtype=torch.int32, device=x.device).random_(generator=self._generator(x.device))
+                noise = bits.bitwise_and(0xFFFF)
+            else:
+                noise = bits.bitwise_right_shift_(15)
+            x = x.contiguous().view(torch.int32).add_(noise).bitwise_and_(-65536).view(torch.float32)
+            state[k] = x.to(torch.bfloat16)  # exact: the low 16 bits are zero
 
     def _generator(self, device: torch.device) -> torch.Generator:
         key = str(device)
@@ -515,16 +521,14 @@ def _check(name: str, value: Any, allowed: tuple) -> None:
         )
 
 
-def _cast_state(
-    state: dict[str, Any], p: Tensor, dtype: torch.dtype, fn: Optional[Callable[[Tensor], Tensor]] = None
-) -> dict[str, Any]:
-    """The per-element floating state of ``p`` (moments etc.) in ``dtype``; scalars such as ``step`` untouched."""
-    out = {}
-    for k, v in state.items():
-        if k != "step" and isinstance(v, Tensor) and v.is_floating_point() and v.dim() > 0 and v.shape == p.shape:
-            v = v if v.dtype == dtype else (fn(v) if fn is not None else v.to(dtype))
-        out[k] = v
-    return out
+def _per_element(key: Any, value: Any, p: Tensor) -> bool:
+    """Optimizer state that has one entry per parameter element (moments, buffers); not ``step`` or scalars."""
+    return (key != "step" and isinstance(value, Tensor) and value.is_floating_point() and value.dim() > 0
+            and value.shape == p.shape)
+
+
+def _cast_state(state: dict[str, Any], p: Tensor, dtype: torch.dtype) -> dict[str, Any]:
+    return {k: v.to(dtype) if _per_element(k, v, p) else v for k, v in state.items()}
 
 
 def _map_float_tensors(data: Any, fn: Callable[[Tensor], Tensor]) -> Any:

@@ -23,6 +23,9 @@ from lightning.pytorch.strategies.strategy import Strategy
 from typing_extensions import override
 
 from lightning_horizon import cpu
+from lightning_horizon.checkpoint_io import AtomicCheckpointIO
+from lightning_horizon.rng import RNGState
+from lightning_horizon.collectives import CollectivesConfig, GradientSync
 from lightning_horizon.topology import ProcessGroups, Topology, check_ranks_per_node
 
 log = logging.getLogger(__name__)
@@ -56,7 +59,20 @@ class HorizonStrategy(DDPStrategy):
         pin_cores: pin each local rank to its own contiguous slice of cores (inside one NUMA domain where the
             ranks divide the domains) and size its thread pool to it.
         threads_per_rank: intra-op threads per rank; ``None`` uses one per pinned core.
-        ddp_comm_state, ddp_comm_hook, ddp_comm_wrapper: a DDP comm hook of your own, registered on CPU too.
+        collectives: how gradient buckets are reduced: ``"flat"`` (one allreduce, DDP's behaviour),
+            ``"hierarchical"`` (reduce-scatter in the node, slices across nodes, all-gather in the node),
+            ``"torus2d"`` (the same on an X x Y grid) or ``"auto"`` (per bucket size, by the cost model).
+            See docs/collectives.md.
+        compression: ``None``, ``"bf16"`` or ``"int8"``: compress the inter-node stage (all of it with
+            ``"flat"``), summing in fp32, with error feedback kept in the checkpoint.
+        sync_every: 1, or k > 1 for hierarchical local SGD: gradients reduced inside the node every step,
+            parameters averaged across nodes every k optimizer steps.
+        sync_warmup_steps: with ``sync_every > 1``, the first steps that still reduce across the world.
+        torus_shape: ``(X, Y)`` for ``torus2d``, X ranks per row, X * Y = world size; ``None``: X = ranks per node.
+        cost_model: link constants for ``"auto"`` instead of the setup probe: a ``CostModel`` or
+            ``{"intra": (alpha_s, beta_s_per_byte), "inter": (alpha_s, beta_s_per_byte)}``.
+        ddp_comm_state, ddp_comm_hook, ddp_comm_wrapper: a DDP comm hook of your own, registered on CPU too
+            (instead of ``collectives``, which must then stay at its defaults).
         **kwargs: passed to ``DDPStrategy`` and on to ``DistributedDataParallel`` (e.g. ``static_graph``).
     """
 
@@ -76,10 +92,29 @@ class HorizonStrategy(DDPStrategy):
         process_group_backend: Optional[str] = None,
         pin_cores: bool = True,
         threads_per_rank: Optional[int] = None,
+        collectives: str = "flat",
+        compression: Optional[str] = None,
+        sync_every: int = 1,
+        sync_warmup_steps: int = 0,
+        torus_shape: Optional[tuple[int, int]] = None,
+        cost_model: Optional[Any] = None,
         **kwargs: Any,
     ) -> None:
         # Every check runs here, in the Trainer's constructor: before a launcher starts a process or a group.
         check_ranks_per_node(ranks_per_node)
+        self.collectives_config = CollectivesConfig(
+            algorithm=collectives,
+            compression=compression,
+            sync_every=sync_every,
+            sync_warmup_steps=sync_warmup_steps,
+            torus_shape=torus_shape,
+            cost_model=cost_model,
+        )
+        if kwargs.get("ddp_comm_hook") is not None and self.collectives_config != CollectivesConfig():
+            raise ValueError(
+                f"ddp_comm_hook={kwargs['ddp_comm_hook']!r} with collectives={collectives!r}: give either your own"
+                " hook or the collectives options, not both"
+            )
         if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (int, float)) or not bucket_size_mb > 0:
             raise ValueError(f"bucket_size_mb={bucket_size_mb!r}: must be a number > 0 (MiB per DDP bucket)")
         if "bucket_cap_mb" in kwargs:
@@ -99,7 +134,7 @@ class HorizonStrategy(DDPStrategy):
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
+            checkpoint_io=checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO(),
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
             timeout=timedelta(seconds=seconds),
@@ -114,8 +149,9 @@ class HorizonStrategy(DDPStrategy):
         #: per-rank facts gathered at setup (rank, node, local rank, cores, threads, shared): the startup table
         self.placement: list[dict[str, Any]] = []
         #: named parts with per-rank state (state_dict/load_state_dict) kept under one checkpoint key
-        self._parts: dict[str, Any] = {}
+        self._parts: dict[str, Any] = {"rng": RNGState()}
         self._loaded_parts: Optional[dict[str, Any]] = None
+        self._restored: set[str] = set()
         self._reported = False
 
     # ------------------------------------------------------------------ processes, groups, cores
@@ -129,6 +165,7 @@ class HorizonStrategy(DDPStrategy):
         # The world size is known from here on (the Trainer set devices and num_nodes): check the topology
         # before the launcher starts any process.
         check_ranks_per_node(self._ranks_per_node, self._world_size_planned)
+        self.collectives_config.grid_shape(self._world_size_planned, self._ranks_per_node or self.num_processes)
         super()._configure_launcher()
 
     @override
@@ -224,7 +261,14 @@ class HorizonStrategy(DDPStrategy):
 
     def _comm_hook(self) -> tuple[Optional[object], Optional[Callable]]:
         """The (state, hook) pair to register on the DDP model; a user's own hook when given."""
-        return self._ddp_comm_state, self._ddp_comm_hook
+        if self._ddp_comm_hook is not None:
+            return self._ddp_comm_state, self._ddp_comm_hook
+        if self.process_groups is None or self.world_size == 1:
+            return None, None
+        # Built on every rank here, at the same point: it may create grid groups and probe the links (collective).
+        sync = GradientSync(self.collectives_config, self.process_groups, self.model.module)
+        self._parts["collectives"] = sync
+        return sync, sync.hook
 
     @override
     def _register_ddp_hooks(self) -> None:
@@ -245,6 +289,12 @@ class HorizonStrategy(DDPStrategy):
             # DDPStrategy's broadcast of module states, which needs a process group.
             Strategy.setup(self, trainer)
         self._restore_parts()
+        # Last, so that nothing in setup draws from a restored generator; Lightning's sanity check runs under
+        # isolate_rng, so the next draw is the training data iterator's, as in the uninterrupted run.
+        for part in self._parts.values():
+            if hasattr(part, "after_setup"):
+                part.after_setup()
+        self._loaded_parts, self._restored = None, set()
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
@@ -258,11 +308,10 @@ class HorizonStrategy(DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        # Called on every rank; the parts' state differs per rank (error feedback, plans), so gather it all
-        # to rank 0, which writes the file.
-        if self._parts:
-            states = {name: part.state_dict() for name, part in self._parts.items()}
-            checkpoint[_CHECKPOINT_KEY] = {"world_size": self.world_size, "ranks": self._all_gather_objects(states)}
+        # Called on every rank; the parts' state differs per rank (RNG, error feedback, plans), so gather it
+        # all to rank 0, which writes the file.
+        states = {name: part.state_dict() for name, part in self._parts.items()}
+        checkpoint[_CHECKPOINT_KEY] = {"world_size": self.world_size, "ranks": self._all_gather_objects(states)}
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
@@ -273,20 +322,22 @@ class HorizonStrategy(DDPStrategy):
         return checkpoint
 
     def _restore_parts(self) -> None:
+        """Give each existing part its saved state, once; parts created later get theirs when they appear."""
         saved = self._loaded_parts
-        if saved is None or not self._parts:
+        if saved is None:
             return
         if saved["world_size"] != self.world_size:
             log.warning(
                 f"HorizonStrategy: checkpoint saved with world size {saved['world_size']}, resuming with"
-                f" {self.world_size}: the per-rank state of {sorted(self._parts)} starts fresh"
+                f" {self.world_size}: per-rank state (RNG, collectives, sharding) starts fresh"
             )
-        else:
-            mine = saved["ranks"][self.global_rank]
-            for name, part in self._parts.items():
-                if name in mine:
-                    part.load_state_dict(mine[name])
-        self._loaded_parts = None
+            self._loaded_parts = None
+            return
+        mine = saved["ranks"][self.global_rank]
+        for name, part in self._parts.items():
+            if name in mine and name not in self._restored:
+                part.load_state_dict(mine[name])
+                self._restored.add(name)
 
     # ------------------------------------------------------------------ registration
 

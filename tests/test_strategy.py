@@ -123,7 +123,7 @@ def test_two_processes_match_lightning_ddp_in_every_variant(tmp_path):
 
     # A comm hook passed on CPU is really registered (Lightning alone drops it on CPU).
     assert "allreduce_hook" in res["hook"][0]["comm_hook"]
-    assert res["horizon"][0]["comm_hook"] in (None, "builtin_allreduce")  # no hook asked, none registered
+    assert "flat" in res["horizon"][0]["comm_hook"]  # the default: our flat allreduce (with its accounting)
     # ranks_per_node=1: two emulated nodes of one rank each.
     assert res["hook"][1]["intra_ranks"] == [1] and res["hook"][1]["inter_ranks"] == [0, 1]
     # The default placement: one core each, disjoint, threads sized to the cores.

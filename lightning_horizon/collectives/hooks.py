@@ -12,8 +12,6 @@ the periodic parameter average), ``state_dict``/``load_state_dict`` carry the er
 local-SGD counters through a checkpoint.
 """
 
-from __future__ import annotations
-
 import logging
 import time
 from typing import Any, Callable, Optional
@@ -199,24 +197,25 @@ def _completed(tensor: torch.Tensor) -> torch.futures.Future:
     return fut
 
 
-# One function per algorithm, so that DDP's logging data ("comm_hook") names the algorithm in use.
-def flat_hook(state: GradientSync, bucket: dist.GradBucket) -> torch.futures.Future:
+# One function per algorithm, so that DDP's logging data ("comm_hook") names the algorithm in use. Annotations
+# are real objects (no `from __future__ import annotations` in this file): DDP compares them to GradBucket.
+def flat_hook(state: GradientSync, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     return state.reduce(bucket)
 
 
-def hierarchical_hook(state: GradientSync, bucket: dist.GradBucket) -> torch.futures.Future:
+def hierarchical_hook(state: GradientSync, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     return state.reduce(bucket)
 
 
-def torus2d_hook(state: GradientSync, bucket: dist.GradBucket) -> torch.futures.Future:
+def torus2d_hook(state: GradientSync, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     return state.reduce(bucket)
 
 
-def auto_hook(state: GradientSync, bucket: dist.GradBucket) -> torch.futures.Future:
+def auto_hook(state: GradientSync, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     return state.reduce(bucket)
 
 
-def local_sgd_hook(state: GradientSync, bucket: dist.GradBucket) -> torch.futures.Future:
+def local_sgd_hook(state: GradientSync, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     return state.reduce(bucket)
 
 

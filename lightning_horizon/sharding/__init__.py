@@ -1,6 +1,27 @@
-"""Graph sharding: activation recompute planned from the model's own graph to fit a memory budget."""
+"""Graph sharding: activation recompute planned from the model's own graph to fit a memory budget.
+
+``GraphSharder`` ties the parts together: ``budget`` (how much memory this rank may use, ``ShardingConfig``),
+``profile`` (one pass over training_step: what each module call saves and costs), ``plan`` (which calls to
+recompute: a DP over the call sequence) and ``executor`` (checkpointing installed on instances' ``forward``).
+"""
 
 from lightning_horizon.sharding.budget import ShardingConfig, resolve_budget, resolve_sharding
+from lightning_horizon.sharding.executor import Installed, install
+from lightning_horizon.sharding.plan import InfeasibleBudgetError, ShardPlan, evaluate, make_plan
 from lightning_horizon.sharding.profile import Profile, profile_step
+from lightning_horizon.sharding.sharder import GraphSharder
 
-__all__ = ["ShardingConfig", "Profile", "profile_step", "resolve_budget", "resolve_sharding"]
+__all__ = [
+    "GraphSharder",
+    "InfeasibleBudgetError",
+    "Installed",
+    "Profile",
+    "ShardPlan",
+    "ShardingConfig",
+    "evaluate",
+    "install",
+    "make_plan",
+    "profile_step",
+    "resolve_budget",
+    "resolve_sharding",
+]

@@ -106,16 +106,27 @@ def _storage(t: torch.Tensor) -> tuple[Optional[int], int]:
 class _Profiler(TorchDispatchMode):
     """Hooks, saved-tensor hooks and a dispatch mode, sharing one call stack."""
 
-    def __init__(self, root: nn.Module, fake: bool, flops: FlopCounterMode) -> None:
+    def __init__(self, root: nn.Module, fake_mode: Optional[FakeTensorMode], flops: FlopCounterMode) -> None:
         super().__init__()
-        self.fake, self.flop_mode = fake, flops
+        self.fake, self.flop_mode = fake_mode is not None, flops
         self.names = {id(m): n for n, m in root.named_modules()}
+        # Parameters and buffers by storage. Under FakeTensor an op converts a real parameter to a fake one
+        # (memoized per tensor): convert them all up front so that their fake storages are known too, and a
+        # saved view of a weight (Linear saves weight.t()) is not counted as an activation.
         self.state: dict[int, torch.Tensor] = {}
-        for t in [*root.parameters(), *root.buffers()]:
-            key, _ = _storage(t)
-            if key is not None:
-                self.state[key] = t
-        self.buffer_keys = {_storage(b)[0] for b in root.buffers()}
+        self.buffer_keys: set[int] = set()
+        self.fakes: list[torch.Tensor] = []
+        for t, is_buffer in [*((p, False) for p in root.parameters()), *((b, True) for b in root.buffers())]:
+            versions = [t]
+            if fake_mode is not None:
+                self.fakes.append(fake_mode.from_tensor(t))
+                versions.append(self.fakes[-1])
+            for v in versions:
+                key, _ = _storage(v)
+                if key is not None:
+                    self.state[key] = t
+                    if is_buffer:
+                        self.buffer_keys.add(key)
         self.calls: list[Call] = []
         self.top: list[tuple[str, int]] = []
         self.stack: list[int] = []
@@ -206,10 +217,10 @@ class _Profiler(TorchDispatchMode):
         key, _ = _storage(t)
         if key is None:
             return
-        preexisting = key in self.state or (self.fake and not isinstance(t, FakeTensor))
-        if preexisting:
+        real = not isinstance(t, FakeTensor)
+        if key in self.state or (self.fake and real):
             # A fake pass still executes in-place ops on real tensors: keep a copy to put back afterwards.
-            if key not in self.snapshots:
+            if real and key not in self.snapshots:
                 with _disable_current_modes():  # a real copy, not a fake one
                     self.snapshots[key] = (t, t.detach().clone())
             self._mark_stack("writes state in place (a recompute would write it twice)")
@@ -281,14 +292,14 @@ def _run(module: nn.Module, batch: Any, batch_idx: int) -> Any:
 
 def _profile_once(module: nn.Module, batch: Any, batch_idx: int, fake: bool) -> tuple[_Profiler, int]:
     flop_mode = FlopCounterMode(display=False)
-    prof = _Profiler(module, fake, flop_mode)
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
+    prof = _Profiler(module, fake_mode, flop_mode)
     handles = []
     # The root too: training_step is the top of the tree, and a call of the root's own forward is one call in it.
     for m in module.modules():
         handles.append(m.register_forward_pre_hook(prof.pre, with_kwargs=True))
         handles.append(m.register_forward_hook(prof.post, with_kwargs=True, always_call=True))
     rng = torch.get_rng_state()
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
     try:
         with torch.enable_grad(), _silenced(module):
             if fake_mode is not None:

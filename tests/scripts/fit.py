@@ -26,7 +26,7 @@ class TinyLM(L.LightningModule):
         self.automatic_optimization = not manual
         self.two_optimizers, self.scheduler = two_optimizers, scheduler
         self.emb = nn.Embedding(vocab, dim)
-        self.body = nn.Sequential(nn.Linear(dim, 64), nn.GELU(), nn.Linear(64, dim))
+        self.body = nn.Sequential(nn.Linear(dim, 64), nn.GELU(), nn.Dropout(0.1), nn.Linear(64, dim))
         self.head = nn.Linear(dim, vocab)
         self.losses, self.lrs = [], []
 

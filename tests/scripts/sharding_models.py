@@ -1,6 +1,6 @@
 """Tiny models for the sharding tests, and the fresh-process peak-RSS measurement they run.
 
-Run as a script: ``python tests/_sharding_models.py MODE [FRACTION BASE PEAK]`` builds the GPT below, runs
+Run as a script: ``python tests/scripts/sharding_models.py MODE [FRACTION BASE PEAK]`` builds the GPT below, runs
 three training steps (AdamW) and prints one JSON line with the RSS before the first step ("base") and the
 RSS high-water mark of the steps ("peak"). MODE "plain" trains unsharded; MODE "sharded" plans for a budget of
 ``BASE + FRACTION * (PEAK - BASE)`` from an earlier plain run, i.e. FRACTION of the unsharded activation peak.
@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -70,6 +71,7 @@ class TinyGPT(nn.Module):
         self.ln_f = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
         self.head.weight = self.wte.weight  # tied
+        nn.init.normal_(self.wte.weight, std=0.02)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(idx.shape[1], device=idx.device)
@@ -127,17 +129,23 @@ def rss_main(argv: list[str]) -> None:
         fraction, plain_base, plain_peak = float(argv[1]), int(argv[2]), int(argv[3])
         budget = int(plain_base + fraction * (plain_peak - plain_base))
         sharder = GraphSharder(ShardingConfig(budget=budget, adaptive=False), optimizers=[opt])
+    # The high-water mark of the whole run: read before each after_step (which resets it to measure the step).
     reset_peak_rss()
+    peaks, cpu_times = [], []
     for i, b in enumerate(data):
+        t0 = time.process_time()
         if sharder is not None:
             sharder.maybe_plan(model, b, i)
         loss = model.training_step(b, i)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        cpu_times.append(time.process_time() - t0)
+        peaks.append(peak_rss())
+        reset_peak_rss()
         if sharder is not None:
-            sharder.after_step()
-    out = {"base": base, "peak": peak_rss(), "loss": float(loss)}
+            sharder.after_step(peaks[-1])
+    out = {"base": base, "peak": max(peaks), "peaks": peaks, "cpu_s": cpu_times, "loss": loss.item()}
     if sharder is not None:
         out.update(budget=budget, estimate=sharder.plan.estimated_peak, table=sharder.plan_table())
     print("RESULT " + json.dumps(out))

@@ -1,0 +1,114 @@
+"""CommMonitor: bytes sent and time spent in gradient communication per step, from the strategy's own accounting.
+
+The monitor measures nothing itself: the collectives (lightning_horizon.collectives) count what each step sent
+per link class and how long it took, and expose it as ``metrics()`` on their comm-hook state. The monitor finds
+that source on ``trainer.strategy`` and logs it, with the share of the step's wall time spent communicating.
+Where the strategy has no such accounting (one process, plain Lightning DDP, a user's own comm hook) the monitor
+says so once and does nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Optional
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+log = logging.getLogger(__name__)
+
+_MIB = 2**20
+
+
+def find_comm_metrics(strategy: Any) -> Optional[Callable[[], dict[str, float]]]:
+    """The strategy's per-step communication figures as a ``metrics()`` callable, or None where it keeps none.
+
+    Looked for, in order: ``strategy.comm_metrics()``; then a ``metrics()`` method on an object that also has an
+    ``accounting`` attribute, among the strategy's comm-hook state and its registered per-rank parts.
+    """
+    direct = getattr(strategy, "comm_metrics", None)
+    if callable(direct):
+        return direct
+    candidates = [getattr(strategy, "_ddp_comm_state", None), getattr(strategy, "gradient_sync", None)]
+    candidates += list(getattr(strategy, "_parts", {}).values())
+    for obj in candidates:
+        if obj is not None and hasattr(obj, "accounting") and callable(getattr(obj, "metrics", None)):
+            return obj.metrics
+    return None
+
+
+class CommMonitor(Callback):
+    """Log the strategy's communication accounting (``comm/...``) every ``log_every_n_steps``; summarize every N.
+
+    Logged (rank 0's figures for the step that just ended, as the strategy names them), e.g.
+    ``comm/intra_bytes``, ``comm/inter_bytes``, ``comm/seconds``, ``comm/calls``, plus ``comm/time_share``: the
+    communication seconds over the step's wall time.
+
+    Args:
+        log_every_n_steps: log every this many optimizer steps.
+        summary_every_n_steps: print a one-line summary every this many steps (0: never).
+    """
+
+    def __init__(self, log_every_n_steps: int = 1, summary_every_n_steps: int = 50) -> None:
+        for name, value, low in (("log_every_n_steps", log_every_n_steps, 1),
+                                 ("summary_every_n_steps", summary_every_n_steps, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"CommMonitor({name}={value!r}): allowed is an int >= {low}")
+        self.log_every_n_steps, self.summary_every_n_steps = log_every_n_steps, summary_every_n_steps
+        self.source: Optional[Callable[[], dict[str, float]]] = None
+        #: the latest figures logged (empty while there is no source)
+        self.last: dict[str, float] = {}
+        self._announced = False
+        self._t_last: Optional[float] = None
+        self._last_step = -1
+
+    @override
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        # after strategy.setup: the comm hook and its accounting exist from here on
+        self.source = find_comm_metrics(trainer.strategy)
+        if self.source is None and not self._announced:
+            self._announced = True
+            if trainer.global_rank == 0:
+                log.info(f"CommMonitor: {type(trainer.strategy).__name__} (world size {trainer.world_size}) exposes no"
+                         " communication accounting; nothing to log")
+        self._t_last = time.perf_counter()
+
+    @override
+    def on_validation_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._t_last = time.perf_counter()  # validation time is not step time
+
+    @override
+    def on_train_batch_end(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        now, step = time.perf_counter(), trainer.global_step
+        if self.source is None or step == self._last_step or trainer.fit_loop._should_accumulate():
+            return
+        step_seconds = now - (self._t_last or now)
+        self._t_last, self._last_step = now, step
+        if step % self.log_every_n_steps:
+            return
+        metrics = {k: float(v) for k, v in self.source().items()}
+        if "comm/seconds" in metrics and step_seconds > 0:
+            metrics["comm/time_share"] = metrics["comm/seconds"] / step_seconds
+        self.last = metrics
+        for name, value in metrics.items():
+            pl_module.log(name, value, on_step=True, on_epoch=False, rank_zero_only=True)
+        if trainer.global_rank == 0 and self.summary_every_n_steps and step % self.summary_every_n_steps == 0:
+            log.info(f"step {step}: " + self.summary())
+
+    def summary(self) -> str:
+        """The latest figures in one line."""
+        m = self.last
+        if not m:
+            return "comm: no accounting" if self.source is None else "comm: nothing logged yet"
+        parts = [f"comm: {m.get('comm/intra_bytes', 0) / _MIB:.2f} MiB intra-node",
+                 f"{m.get('comm/inter_bytes', 0) / _MIB:.2f} MiB inter-node"]
+        if "comm/seconds" in m:
+            share = f" ({100 * m['comm/time_share']:.0f}% of the step)" if "comm/time_share" in m else ""
+            parts.append(f"{1e3 * m['comm/seconds']:.1f} ms{share}")
+        if "comm/calls" in m:
+            parts.append(f"{m['comm/calls']:.0f} calls")
+        return ", ".join(parts) + " per step"

@@ -1,0 +1,88 @@
+"""MemoryMonitor: resident memory, its peak, and the machine's available memory, for every rank.
+
+On CPU the model, the activations and the allocator's slack all live in the process's resident set, so RSS is the
+number that decides whether a run fits; the peak (``ru_maxrss``) shows what the worst step needed, and "available"
+what is left on the machine (ranks on one machine share it). Every rank measures itself; the figures are gathered
+to rank 0, which logs them per rank (``mem/rank{r}/...``) and as the maximum over ranks (``mem/...``).
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import sys
+from typing import Any
+
+import lightning.pytorch as pl
+import psutil
+import torch
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+log = logging.getLogger(__name__)
+
+_MIB = 2**20
+_FIELDS = ("rss_mib", "peak_rss_mib", "available_mib")
+
+
+def memory_now() -> dict[str, float]:
+    """This process's RSS and peak RSS, and the machine's available memory, in MiB."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    peak_bytes = peak if sys.platform == "darwin" else peak * 1024
+    return {
+        "rss_mib": psutil.Process().memory_info().rss / _MIB,
+        "peak_rss_mib": peak_bytes / _MIB,
+        "available_mib": psutil.virtual_memory().available / _MIB,
+    }
+
+
+class MemoryMonitor(Callback):
+    """Log RSS, peak RSS and available memory per rank every ``log_every_n_steps``; summarize every N steps.
+
+    Args:
+        log_every_n_steps: measure, gather and log every this many optimizer steps (a tiny all-gather each time).
+        summary_every_n_steps: print a one-line summary every this many steps (a multiple of
+            ``log_every_n_steps`` is printed; 0: never).
+    """
+
+    def __init__(self, log_every_n_steps: int = 10, summary_every_n_steps: int = 50) -> None:
+        for name, value, low in (("log_every_n_steps", log_every_n_steps, 1),
+                                 ("summary_every_n_steps", summary_every_n_steps, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"MemoryMonitor({name}={value!r}): allowed is an int >= {low}")
+        self.log_every_n_steps, self.summary_every_n_steps = log_every_n_steps, summary_every_n_steps
+        #: the latest figures of every rank: one dict per rank (on rank 0; other ranks hold their own only)
+        self.last: list[dict[str, float]] = []
+        self._last_step = -1
+
+    @override
+    def on_train_batch_end(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        step = trainer.global_step
+        # once per optimizer step (accumulation micro-batches share the step), at the same step on every rank:
+        # the gather below is a collective
+        if step == self._last_step or step % self.log_every_n_steps:
+            return
+        self._last_step = step
+        mine = memory_now()
+        local = torch.tensor([mine[k] for k in _FIELDS], dtype=torch.float64)
+        gathered = trainer.strategy.all_gather(local)  # (world, 3), or (3,) in one process
+        rows = gathered.reshape(-1, len(_FIELDS)).tolist()
+        self.last = [dict(zip(_FIELDS, r)) for r in rows]
+        metrics = {f"mem/{k}": max(r[k] for r in self.last) for k in _FIELDS}
+        metrics["mem/available_mib"] = min(r["available_mib"] for r in self.last)  # the tightest machine
+        if len(self.last) > 1:
+            metrics.update({f"mem/rank{i}/{k}": v for i, r in enumerate(self.last) for k, v in r.items()})
+        for name, value in metrics.items():
+            pl_module.log(name, value, on_step=True, on_epoch=False, rank_zero_only=True)
+        if trainer.global_rank == 0 and self.summary_every_n_steps and step % self.summary_every_n_steps == 0:
+            log.info(f"step {step}: " + self.summary())
+
+    def summary(self) -> str:
+        """The latest figures in one line."""
+        if not self.last:
+            return "memory: not measured yet"
+        ranks = ", ".join(f"rank{i} RSS {r['rss_mib']:,.0f} MiB (peak {r['peak_rss_mib']:,.0f})"
+                          for i, r in enumerate(self.last))
+        return f"memory: {ranks} | available {min(r['available_mib'] for r in self.last) / 1024:,.1f} GiB"

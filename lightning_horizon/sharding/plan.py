@@ -1,0 +1,353 @@
+"""The planner: which module calls to recompute so that the step's estimated peak fits the budget.
+
+The profiled step is a sequence of *units* (module calls on the current frontier of the call tree) and *glue*
+(what training_step and the parents' own code save between calls). A cut before a unit is priced by the bytes
+that cross it: a recomputed unit keeps only its inputs (``in_bytes``) until backward, a stored one keeps all it
+saved (``saved_bytes``). Memory over the step, with ``prefix(k)`` the bytes held by everything before ``k``:
+
+- during unit ``k``'s backward (or its recompute): ``prefix(k) + saved(k) + transient(k) + grads(>= k)``,
+  where transient is the gradient working set (its input and output gradients and three times its largest
+  saved tensor) and grads the parameter gradients backward has allocated by then;
+- after backward, before the optimizer step: all parameter gradients.
+
+A dynamic program over the units, keeping a Pareto front of (prefix bytes, recompute cost), finds the choice
+that keeps every one of these under the budget at the least recompute cost (forward FLOPs plus a charge per
+byte re-materialized, so that memory-bound recomputes are not free). A unit whose backward alone exceeds the
+budget is replaced by its children (the planner *descends*), as is a container that must not be recomputed;
+when recomputed units can be split into cheaper children, the finer frontier is kept if it costs less.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+from lightning_horizon.sharding.budget import fmt_bytes
+from lightning_horizon.sharding.profile import Call, Profile
+
+#: Recompute cost charged per byte re-materialized, in FLOP-equivalents: roughly a CPU core's FLOP/byte balance
+#: (tens of GFLOP/s against ~10 GB/s), so an elementwise recompute that moves many bytes is not counted as free.
+BYTE_COST = 4.0
+_STATES = 4096  # resolution of the DP's memory axis: prefixes within budget/4096 of each other are merged
+
+
+class InfeasibleBudgetError(ValueError):
+    """No plan fits; ``smallest_feasible`` is the least budget (bytes) for which one does."""
+
+    def __init__(self, message: str, smallest_feasible: int) -> None:
+        super().__init__(message)
+        self.smallest_feasible = smallest_feasible
+
+
+@dataclass
+class _Item:
+    call: Optional[Call]  # None: glue
+    stored: int
+    kept: int
+    transient: int
+    grads: int
+    cost: float
+
+    @property
+    def choosable(self) -> bool:
+        return self.call is not None and not self.call.reason and self.kept < self.stored
+
+
+@dataclass
+class Shard:
+    modules: list[str]
+    mode: str  #: "store" or "recompute"
+    params: int
+    peak: int  #: estimated peak RSS while this shard runs backward
+
+
+@dataclass
+class ShardPlan:
+    recompute: list[tuple[str, int]]  #: (module path, occurrence) of every call to checkpoint
+    shards: list[Shard]
+    budget: int
+    target: int  #: what the plan aims at: headroom * budget
+    fixed: int  #: resident before the step (weights, optimizer state, runtime)
+    estimated_peak: int
+    recompute_flops: int
+    forward_flops: int
+    scale: float  #: calibration applied to the profiled activation bytes (1 until a re-plan measures)
+    profile_mode: str
+    floor: int = 0  #: smallest estimated peak any plan on this profile reaches
+    counted: list[str] = field(default_factory=list)  #: modules called more than once per step
+
+    def table(self) -> str:
+        """The plan as printed at fit start: one row per shard."""
+        overhead = self.recompute_flops / (3 * self.forward_flops) if self.forward_flops else 0.0
+        lines = [
+            f"ShardPlan: budget {fmt_bytes(self.budget)} (aim {fmt_bytes(self.target)}) | resident"
+            f" {fmt_bytes(self.fixed)} | estimated peak {fmt_bytes(self.estimated_peak)} | recompute"
+            f" {len(self.recompute)} call(s), +{overhead:.1%} step FLOPs | profile {self.profile_mode}"
+            + (f" | activation scale x{self.scale:.2f}" if self.scale != 1.0 else ""),
+            f"{'shard':>5}  {'modules':<48} {'params':>10} {'est. peak':>10}  mode",
+        ]
+        for i, s in enumerate(self.shards):
+            lines.append(
+                f"{i:>5}  {_compress(s.modules):<48} {fmt_bytes(s.params):>10} {fmt_bytes(s.peak):>10}  {s.mode}"
+            )
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["recompute"] = [list(k) for k in self.recompute]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ShardPlan":
+        d = dict(d)
+        d["recompute"] = [(str(n), int(o)) for n, o in d["recompute"]]
+        d["shards"] = [Shard(**s) for s in d["shards"]]
+        return cls(**d)
+
+
+def _label(call: Call, calls_per_name: dict[str, int]) -> str:
+    name = call.name or "<root>"
+    return f"{name}#{call.occurrence}" if calls_per_name[call.name] > 1 else name
+
+
+def _compress(names: list[str], width: int = 48) -> str:
+    """['h.0', 'h.1', 'h.2.attn', 'h.3.attn'] -> 'h.0-1, h.2-3.attn' (runs of consecutive indices merged)."""
+    runs: list[list] = []  # [prefix, first, last, rest]
+    for n in names:
+        m = re.match(r"^(.*?\.)(\d+)((?:\..*)?)$", n)
+        if m and runs and runs[-1][0] == m[1] and runs[-1][3] == m[3] and runs[-1][2] == int(m[2]) - 1:
+            runs[-1][2] = int(m[2])
+        elif m:
+            runs.append([m[1], int(m[2]), int(m[2]), m[3]])
+        else:
+            runs.append([n, None, None, ""])
+    parts = [r[0] if r[1] is None else f"{r[0]}{r[1]}{'-' + str(r[2]) if r[2] != r[1] else ''}{r[3]}" for r in runs]
+    text = ", ".join(parts) or "(step code)"
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _items(profile: Profile, frontier: set[int], scale: float) -> list[_Item]:
+    items: list[_Item] = []
+
+    def glue(n: int) -> None:
+        n = int(n * scale)
+        if items and items[-1].call is None:
+            items[-1].stored += n
+            items[-1].transient = max(items[-1].transient, n)
+        elif n:
+            items.append(_Item(None, n, n, n, 0, 0.0))
+
+    def walk(timeline: list[tuple[str, int]]) -> None:
+        for kind, v in timeline:
+            if kind == "saved":
+                glue(v)
+                continue
+            c = profile.calls[v]
+            if v not in frontier:
+                walk(c.timeline)
+                continue
+            stored, kept = int(c.saved_bytes * scale), int(c.in_bytes * scale)
+            # Backward's working set: the gradients entering and leaving, and around the largest saved tensor
+            # its gradient, the gradient being produced and the op's workspace (measured ~3x on attention).
+            transient = int((c.in_bytes + c.out_bytes + 3 * c.max_saved) * scale)
+            items.append(_Item(c, stored, kept, transient, c.grad_bytes, c.flops + BYTE_COST * c.saved_bytes))
+
+    walk(profile.top)
+    return items
+
+
+def _backward_needs(items: list[_Item], pending_grads: int) -> list[int]:
+    """For each item: what its backward holds on top of the prefix (saved, transient, gradients so far)."""
+    needs, before = [], 0
+    for it in items:
+        needs.append(it.stored + it.transient + max(0, pending_grads - before))
+        before += it.grads
+    return needs
+
+
+def _floor(items: list[_Item], pending_grads: int) -> tuple[int, list[int]]:
+    """The least peak any choice reaches on these items, and which items' backward exceed a given allowance."""
+    prefix, worst, at = 0, pending_grads, []
+    for it, need in zip(items, _backward_needs(items, pending_grads)):
+        at.append(prefix + need)
+        worst = max(worst, prefix + need)
+        prefix += it.kept if it.choosable else it.stored
+    return max(worst, prefix), at
+
+
+def _solve(items: list[_Item], allowance: int, pending_grads: int) -> Optional[tuple[float, int, set[int]]]:
+    """The cheapest choice keeping every constraint under ``allowance``: (cost, peak, recomputed item indices)."""
+    if pending_grads > allowance:
+        return None
+    quantum = max(1, allowance // _STATES)
+    # front: prefix bucket -> (cost, exact prefix, peak so far, back-pointer chain of recomputed items)
+    front: dict[int, tuple[float, int, int, Optional[tuple]]] = {0: (0.0, 0, pending_grads, None)}
+    for k, (it, need) in enumerate(zip(items, _backward_needs(items, pending_grads))):
+        nxt: dict[int, tuple[float, int, int, Optional[tuple]]] = {}
+
+        def offer(prefix: int, cost: float, peak: int, back: Optional[tuple]) -> None:
+            b = -(-prefix // quantum)
+            old = nxt.get(b)
+            if old is None or (cost, prefix) < (old[0], old[1]):
+                nxt[b] = (cost, prefix, peak, back)
+
+        for cost, prefix, peak, back in front.values():
+            if prefix + need > allowance:
+                continue  # this state's backward of item k does not fit; prefixes only grow from here
+            peak = max(peak, prefix + need)
+            offer(prefix + it.stored, cost, peak, back)
+            if it.choosable:
+                offer(prefix + it.kept, cost + it.cost, peak, (k, back))
+        # Pareto front: a state is kept only if no state with a smaller prefix is as cheap.
+        front, best = {}, math.inf
+        for b in sorted(nxt):
+            if nxt[b][0] < best:
+                front[b], best = nxt[b], nxt[b][0]
+        if not front:
+            return None
+    done = [s for s in front.values() if s[1] <= allowance]
+    if not done:
+        return None
+    cost, prefix, peak, back = min(done, key=lambda s: (s[0], s[1]))
+    chosen: set[int] = set()
+    while back is not None:
+        chosen.add(back[0])
+        back = back[1]
+    return cost, max(peak, prefix), chosen
+
+
+def make_plan(
+    profile: Profile,
+    budget: int,
+    fixed: int,
+    headroom: float = 0.95,
+    scale: float = 1.0,
+    best_effort: bool = False,
+) -> ShardPlan:
+    """Plan for ``budget`` bytes of RSS, ``fixed`` of which are resident before the step.
+
+    Raises :class:`InfeasibleBudgetError` (stating the smallest feasible budget) when no plan fits, unless
+    ``best_effort``, which returns the plan with the smallest estimated peak instead (used when re-planning
+    during training, where stopping the run would lose more than a tight step).
+    """
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
+        raise ValueError(f"budget={budget!r}: must be a positive int (bytes)")
+    target = int(budget * headroom)
+    allowance = target - fixed
+    grads = profile.pending_grad_bytes
+    frontier = {v for kind, v in profile.top if kind == "call"}
+    floor, floor_frontier = math.inf, set(frontier)
+    while True:
+        items = _items(profile, frontier, scale)
+        f, at = _floor(items, grads)
+        if f < floor:
+            floor, floor_frontier = f, set(frontier)
+        if f <= allowance:
+            break
+        # Descend into units whose backward alone cannot fit, and into containers that may not be recomputed
+        # (their children may be).
+        deeper = {
+            it.call.index for it, a in zip(items, at)
+            if it.call is not None and it.call.children and (a > allowance or it.call.reason)
+        }
+        if not deeper:
+            smallest = math.ceil((fixed + floor) / headroom)
+            if best_effort:
+                frontier = floor_frontier
+                break
+            raise InfeasibleBudgetError(
+                f"budget={budget} bytes ({fmt_bytes(budget)}) is below the smallest feasible plan: the least"
+                f" estimated peak is {fmt_bytes(fixed + floor)} ({fmt_bytes(fixed)} resident + {fmt_bytes(floor)}"
+                f" activations and gradients with every recomputable call recomputed), which needs a budget of at"
+                f" least {smallest} bytes ({fmt_bytes(smallest)}) at headroom={headroom}",
+                smallest,
+            )
+        frontier = (frontier - deeper) | {ch for i in deeper for ch in profile.calls[i].children}
+    items = _items(profile, frontier, scale)
+    solved = _solve(items, allowance, grads)
+    if solved is None:  # best effort: every choosable unit recomputed
+        chosen = {k for k, it in enumerate(items) if it.choosable}
+        solved = (sum(items[k].cost for k in chosen), _floor(items, grads)[0], chosen)
+    else:
+        # A recomputed unit with children may have a cheaper recompute among them (the attention's scores
+        # rather than the whole block): try finer frontiers (all such units at once, else one at a time,
+        # costliest first) and keep one while it costs less.
+        for _ in range(16):
+            split = sorted((k for k in solved[2] if items[k].call.children), key=lambda k: -items[k].cost)
+            better = None
+            for group in ([split] if len(split) > 1 else []) + [[k] for k in split[:32]]:
+                parents = {items[k].call.index for k in group}
+                finer = (frontier - parents) | {ch for i in parents for ch in profile.calls[i].children}
+                finer_items = _items(profile, finer, scale)
+                trial = _solve(finer_items, allowance, grads)
+                if trial is not None and trial[0] < 0.98 * solved[0]:
+                    better = (finer, finer_items, trial)
+                    break
+            if better is None:
+                break
+            frontier, items, solved = better
+    return _assemble(profile, items, solved[2], budget, target, fixed, scale, fixed + floor)
+
+
+def _assemble(profile: Profile, items: list[_Item], chosen: set[int], budget: int, target: int, fixed: int,
+              scale: float, floor: int) -> ShardPlan:
+    per_name: dict[str, int] = {}
+    for c in profile.calls:
+        per_name[c.name] = per_name.get(c.name, 0) + 1
+    shards: list[Shard] = []
+    prefix, peak, before = 0, 0, 0
+    for k, it in enumerate(items):
+        need = it.stored + it.transient + max(0, profile.pending_grad_bytes - before)
+        here = fixed + prefix + need
+        peak = max(peak, here)
+        prefix += it.kept if k in chosen else it.stored
+        before += it.grads
+        if it.call is None:  # glue joins the shard it follows (or opens a stored one)
+            if not shards:
+                shards.append(Shard([], "store", 0, here))
+            shards[-1].peak = max(shards[-1].peak, here)
+            continue
+        mode = "recompute" if k in chosen else "store"
+        if not shards or shards[-1].mode != mode:
+            shards.append(Shard([], mode, 0, here))
+        s = shards[-1]
+        s.modules.append(_label(it.call, per_name))
+        s.params += it.call.param_bytes
+        s.peak = max(s.peak, here)
+    peak = max(peak, fixed + prefix, fixed + profile.pending_grad_bytes)
+    recompute = [items[k].call.key for k in sorted(chosen)]
+    flops = sum(items[k].call.flops for k in chosen)
+    return ShardPlan(
+        recompute=recompute, shards=shards, budget=budget, target=target, fixed=fixed, estimated_peak=peak,
+        recompute_flops=flops, forward_flops=profile.forward_flops, scale=scale, profile_mode=profile.mode,
+        floor=floor, counted=sorted(n for n, count in per_name.items() if count > 1),
+    )
+
+
+def evaluate(profile: Profile, recompute: list[tuple[str, int]], budget: int, fixed: int, headroom: float = 0.95,
+             scale: float = 1.0) -> Optional[ShardPlan]:
+    """Re-price a given recompute set (e.g. one restored from a checkpoint); None if its calls are not all in
+    the profile or one of them may not be recomputed."""
+    by_key = profile.by_key()
+    if any(k not in by_key or by_key[k].reason for k in recompute):
+        return None
+    wanted = {by_key[k].index for k in recompute}
+    # The frontier holding exactly these calls: expand every ancestor of a wanted call, from the top down.
+    ancestors = set()
+    for i in wanted:
+        p = profile.calls[i].parent
+        while p >= 0:
+            ancestors.add(p)
+            p = profile.calls[p].parent
+    frontier = {v for kind, v in profile.top if kind == "call"}
+    while frontier & ancestors:
+        frontier = (frontier - ancestors) | {ch for i in frontier & ancestors for ch in profile.calls[i].children}
+    items = _items(profile, frontier, scale)
+    chosen = {k for k, it in enumerate(items) if it.call is not None and it.call.index in wanted}
+    floor = _floor(items, profile.pending_grad_bytes)[0]
+    return _assemble(profile, items, chosen, budget, int(budget * headroom), fixed, scale, fixed + floor)
+
+
+__all__ = ["BYTE_COST", "InfeasibleBudgetError", "Shard", "ShardPlan", "evaluate", "make_plan"]

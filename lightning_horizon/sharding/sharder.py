@@ -1,0 +1,270 @@
+"""GraphSharder: profile, plan, install, measure, re-plan; the one object the strategy talks to.
+
+Lifecycle (the strategy calls these; a plain training loop can too):
+
+- ``maybe_plan(module, batch, batch_idx)`` right before every ``training_step``. The first call resolves the
+  budget, profiles the step on this batch (there is no batch earlier), plans and installs. Later calls apply a
+  pending re-plan, at the step boundary, where no activation is alive.
+- ``after_step()`` after every optimizer step: reads the RSS high-water mark of the step, resets it, and
+  decides whether the next step needs a re-plan (tighter above ``headroom``, looser after ``relax_after``
+  steps below ``relax_below``). Every decision that changes something is logged with its reason.
+- ``uninstall()`` at teardown: every patched ``forward`` is restored; the model is as it was.
+- ``state_dict()`` / ``load_state_dict()``: plan, calibration and history, so a resumed run recomputes the
+  same calls (same memory, same speed) without having to re-learn them.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional, Union
+
+import torch
+from torch import nn
+
+from lightning_horizon.sharding.budget import (
+    GLIBC_HINT,
+    ShardingConfig,
+    allocator_overhead,
+    current_rss,
+    fmt_bytes,
+    peak_rss,
+    reset_peak_rss,
+    resolve_budget,
+    resolve_sharding,
+)
+from lightning_horizon.sharding.executor import Installed, install
+from lightning_horizon.sharding.plan import InfeasibleBudgetError, ShardPlan, evaluate, make_plan
+from lightning_horizon.sharding.profile import Profile, profile_step
+
+log = logging.getLogger(__name__)
+_STATE_VERSION = 1
+
+
+def optimizer_state_pending(optimizers: Any) -> int:
+    """Bytes of optimizer state not allocated yet (torch optimizers allocate it lazily, at their first step).
+
+    Per parameter byte: 2 for the Adam family (two moments), 1 for SGD with momentum and RMSprop, 0 for plain
+    SGD, 2 for anything else (a conservative guess that a first re-plan corrects).
+    """
+    total, seen = 0, set()
+    for opt in optimizers or ():
+        opt = getattr(opt, "optimizer", opt)  # LightningOptimizer wraps the torch one
+        name = type(opt).__name__
+        if name == "SGD":
+            factor = 1 if any(g.get("momentum", 0) for g in opt.param_groups) else 0
+        elif name == "RMSprop":
+            factor = 1
+        else:
+            factor = 2
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if id(p) in seen or opt.state.get(p):
+                    continue
+                seen.add(id(p))
+                total += factor * p.numel() * p.element_size()
+    return total
+
+
+class GraphSharder:
+    """Memory-budgeted activation recompute for one module, planned from its profiled step.
+
+    Args:
+        config: ``None`` or ``"auto"`` (defaults) or a :class:`ShardingConfig`.
+        local_world_size: ranks on this node, which share its memory fairly.
+        optimizers: the optimizers, to foresee their lazily allocated state; ``None`` takes
+            ``module.trainer.optimizers`` when the module is attached to a Trainer.
+        rank: this process's global rank; plan tables are logged on rank 0 only.
+    """
+
+    def __init__(
+        self,
+        config: Union[None, str, ShardingConfig] = None,
+        local_world_size: int = 1,
+        optimizers: Optional[list[torch.optim.Optimizer]] = None,
+        rank: int = 0,
+    ) -> None:
+        self.config = resolve_sharding("auto" if config is None else config)
+        if isinstance(local_world_size, bool) or not isinstance(local_world_size, int) or local_world_size < 1:
+            raise ValueError(f"local_world_size={local_world_size!r}: must be an int >= 1 (ranks on this node)")
+        self.local_world_size = local_world_size
+        self.rank = rank
+        self._optimizers = optimizers
+        self.module: Optional[nn.Module] = None
+        self.profile: Optional[Profile] = None
+        self.plan: Optional[ShardPlan] = None
+        self.budget: Optional[int] = None
+        self.fixed: Optional[int] = None  # resident before the first step, plus optimizer state still to come
+        # Resident bytes per profiled activation byte: the allocator's prior until a step is measured.
+        self.scale = allocator_overhead(self.config)
+        self.steps = 0
+        self.history: list[dict[str, Any]] = []  # every plan installed: step, reason, recompute count, estimate
+        self.last_peak: Optional[int] = None
+        self._installed: Optional[Installed] = None
+        self._pending: Optional[tuple[str, float]] = None  # (reason, new scale) applied at the next boundary
+        self._low_steps = 0
+        self._low_ratio = 0.0
+        self._resettable = True
+        self._loaded: Optional[dict[str, Any]] = None
+
+    # ------------------------------------------------------------------ the strategy's calls
+
+    def maybe_plan(self, module: nn.Module, batch: Any, batch_idx: int = 0) -> None:
+        """Plan and install on the first call; apply a pending re-plan on later ones (a step boundary)."""
+        if self._installed is None or module is not self.module:
+            self._first_plan(module, batch, batch_idx)
+        elif self._pending is not None:
+            reason, scale = self._pending
+            self._pending = None
+            self._replan(scale, reason)
+        assert self._installed is not None
+        self._installed.reset()
+
+    def after_step(self, peak: Optional[int] = None) -> None:
+        """Measure the step's peak RSS (or take ``peak``) and decide whether the next step re-plans."""
+        if self.plan is None:
+            return
+        self.steps += 1
+        if peak is None:
+            peak = peak_rss()
+            self._resettable = reset_peak_rss()
+        self.last_peak = peak
+        cfg, plan, budget = self.config, self.plan, self.budget
+        assert budget is not None and self.fixed is not None
+        if not cfg.adaptive:
+            return
+        estimated = max(1, plan.estimated_peak - self.fixed)
+        ratio = max(0.0, (peak - self.fixed) / estimated)  # measured / estimated activation memory
+        if peak > cfg.headroom * budget:
+            self._low_steps, self._low_ratio = 0, 0.0
+            scale = self.scale * max(ratio, 1.0) * 1.05  # at least 5% tighter, so that it converges
+            self._pending = (
+                f"measured peak {fmt_bytes(peak)} = {peak / budget:.0%} of the budget {fmt_bytes(budget)}, above"
+                f" headroom {cfg.headroom:.0%} (estimate was {fmt_bytes(plan.estimated_peak)}): more recompute",
+                scale,
+            )
+        elif peak < cfg.relax_below * budget and plan.recompute and self._resettable:
+            self._low_steps += 1
+            self._low_ratio = max(self._low_ratio, ratio)
+            if self._low_steps >= cfg.relax_after:
+                scale = self.scale * min(1.0, self._low_ratio * 1.1)  # keep 10% above the largest seen
+                if scale < 0.95 * self.scale:
+                    self._pending = (
+                        f"{self._low_steps} steps below {cfg.relax_below:.0%} of the budget (highest peak"
+                        f" {self._low_ratio:.0%} of the estimated activations): less recompute",
+                        scale,
+                    )
+                self._low_steps, self._low_ratio = 0, 0.0
+        else:
+            self._low_steps, self._low_ratio = 0, 0.0
+
+    def uninstall(self) -> None:
+        """Restore every patched ``forward``: the module is exactly as before the first plan."""
+        if self._installed is not None:
+            self._installed.remove()
+            self._installed = None
+
+    def plan_table(self) -> str:
+        if self.plan is None:
+            return "ShardPlan: none yet (planned at the first training step, from its batch)"
+        return self.plan.table()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": _STATE_VERSION,
+            "budget": self.budget,
+            "scale": self.scale,
+            "steps": self.steps,
+            "plan": self.plan.to_dict() if self.plan is not None else None,
+            "history": self.history[-100:],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError(f"sharding state version={state.get('version')!r}: this build reads {_STATE_VERSION}")
+        self.scale = float(state["scale"])
+        self.steps = int(state["steps"])
+        self.history = list(state["history"])
+        self._loaded = state
+        if self._installed is not None:  # loaded mid-run: re-plan with the restored calibration at the boundary
+            self._pending = ("state loaded from a checkpoint", self.scale)
+
+    # ------------------------------------------------------------------ planning
+
+    def _first_plan(self, module: nn.Module, batch: Any, batch_idx: int) -> None:
+        self.uninstall()
+        self.module = module
+        resident = current_rss()  # before profiling: a real profiling pass leaves freed heap behind
+        self.budget = resolve_budget(self.config, self.local_world_size)
+        optimizers = self._optimizers
+        if optimizers is None:
+            trainer = getattr(module, "_trainer", None)
+            optimizers = trainer.optimizers if trainer is not None else []
+        self.fixed = resident + optimizer_state_pending(optimizers)
+        self.profile = profile_step(
+            module, batch, batch_idx, self.config.profile, self.config.profile_batch_fraction
+        )
+        plan, reason = None, "first plan"
+        loaded, self._loaded = self._loaded, None
+        if loaded is not None and loaded.get("plan") is not None:
+            saved = ShardPlan.from_dict(loaded["plan"])
+            plan = evaluate(self.profile, saved.recompute, self.budget, self.fixed, self.config.headroom, self.scale)
+            if plan is not None and plan.estimated_peak <= plan.target:
+                reason = "restored from the checkpoint"
+            else:
+                plan, reason = None, "the checkpoint's plan does not fit this run's budget or model: re-planned"
+        if plan is None:
+            # Raises InfeasibleBudgetError, stating the smallest feasible budget, before any step runs.
+            plan = make_plan(self.profile, self.budget, self.fixed, self.config.headroom, self.scale)
+        self._install(plan, reason)
+        self._resettable = reset_peak_rss()
+        if not self._resettable:
+            log.warning(
+                "sharding: this kernel does not let the RSS high-water mark be reset (/proc/self/clear_refs):"
+                " peaks are measured since process start, so the plan can tighten but never relaxes"
+            )
+
+    def _replan(self, scale: float, reason: str) -> None:
+        assert self.profile is not None and self.budget is not None and self.fixed is not None and self.plan
+        try:
+            plan = make_plan(self.profile, self.budget, self.fixed, self.config.headroom, scale)
+        except InfeasibleBudgetError as e:
+            plan = make_plan(self.profile, self.budget, self.fixed, self.config.headroom, scale, best_effort=True)
+            reason += f"; no plan fits, using the one with the smallest peak ({e})"
+        self.scale = scale
+        if plan.recompute == self.plan.recompute:
+            self.plan = plan
+            log.info(f"sharding[rank {self.rank}] step {self.steps}: re-plan ({reason}): same calls recomputed")
+            self._record(reason, changed=False)
+            return
+        self._install(plan, reason)
+
+    def _install(self, plan: ShardPlan, reason: str) -> None:
+        assert self.module is not None
+        self.uninstall()
+        self._installed = install(self.module, plan.recompute, plan.counted)
+        old = self.plan
+        self.plan = plan
+        self._record(reason, changed=True)
+        if old is None:
+            if self.rank == 0:
+                log.info(f"sharding: {reason}\n{plan.table()}")
+                if self.config.allocator_overhead is None and self.scale > 1.0:
+                    log.warning(f"sharding: {GLIBC_HINT}")
+        else:
+            log.info(
+                f"sharding[rank {self.rank}] step {self.steps}: re-plan ({reason}): recompute"
+                f" {len(old.recompute)} -> {len(plan.recompute)} call(s), estimated peak"
+                f" {fmt_bytes(old.estimated_peak)} -> {fmt_bytes(plan.estimated_peak)}"
+            )
+            if self.rank == 0:
+                log.debug(plan.table())
+
+    def _record(self, reason: str, changed: bool) -> None:
+        assert self.plan is not None
+        self.history.append({
+            "step": self.steps, "reason": reason, "changed": changed, "recompute": len(self.plan.recompute),
+            "estimated_peak": self.plan.estimated_peak, "measured_peak": self.last_peak, "scale": self.scale,
+        })
+
+
+__all__ = ["GraphSharder", "optimizer_state_pending"]

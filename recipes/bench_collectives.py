@@ -1,0 +1,293 @@
+"""Benchmark: allreduce of 1..64 MiB with flat vs hierarchical vs torus2d on 4 ranks (2 emulated nodes x 2).
+
+    python recipes/bench_collectives.py                 # as root: network namespaces + veth (+ a tbf run)
+    python recipes/bench_collectives.py --no-netns      # everything on loopback (no interface counters)
+    python recipes/bench_collectives.py --rate 500mbit --sizes 1,8,64 --reps 5 --with-int8
+
+As root, with iproute2, each emulated node gets its own network namespace, joined to the other by a veth pair:
+intra-node traffic stays on the namespace's loopback, inter-node traffic crosses the veth, and both are read
+from the interface counters (``/proc/net/dev`` inside each namespace) next to what the hooks' accounting and
+the cost model say. If ``tc qdisc ... tbf`` works on the veth (``netem`` is not in every kernel), the run is
+repeated on a rate-limited inter-node link. The algorithms run interleaved (each repetition rotates their
+order), every rank times the allreduce, and the slowest rank's time counts. The namespaces are deleted on exit.
+
+Last, the cost model predicts 8, 16, 64 and 256 nodes of 2 and 8 ranks, with the links probed here and with
+reference cluster constants.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from lightning_horizon.collectives import CollectivesConfig, CommAccounting, CostModel, GradientSync, Link
+from lightning_horizon.collectives.comm import Comm
+from lightning_horizon.collectives.probe import probe_links
+from lightning_horizon.topology import ProcessGroups, Topology
+
+WORLD, PER_NODE = 4, 2
+MIB = 2**20
+#: reference constants for the predictions: shared memory inside a node, 25 Gbit/s Ethernet between nodes
+CLUSTER = CostModel(intra=Link(2e-6, 1 / 20e9), inter=Link(15e-6, 1 / 3.125e9))
+
+
+# ---------------------------------------------------------------------- worker (one rank)
+
+
+class _Bucket:
+    """What GradientSync.reduce reads from DDP's GradBucket: one parameter's gradient."""
+
+    def __init__(self, buffer: torch.Tensor, param: torch.nn.Parameter) -> None:
+        self._buffer, self._param = buffer, param
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def parameters(self) -> list[torch.Tensor]:
+        return [self._param]
+
+    def gradients(self) -> list[torch.Tensor]:
+        return [self._buffer]
+
+
+def _counters() -> dict[str, int]:
+    """tx bytes per interface of this process's network namespace."""
+    out = {}
+    for line in Path("/proc/net/dev").read_text().splitlines()[2:]:
+        name, fields = line.split(":", 1)
+        out[name.strip()] = int(fields.split()[8])
+    return out
+
+
+def worker(rank: int, args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=300))
+    groups = ProcessGroups(Topology(world_size=WORLD, rank=rank, ranks_per_node=PER_NODE))
+    variants = {name: CollectivesConfig(name) for name in ("flat", "hierarchical", "torus2d")}
+    if args.with_int8:
+        variants["hierarchical_int8"] = CollectivesConfig("hierarchical", compression="int8")
+    # One parameter per size: the error feedback keeps its residual per parameter.
+    params = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(int(mib * MIB) // 4)) for mib in args.sizes])
+    syncs = {name: GradientSync(cfg, groups, params) for name, cfg in variants.items()}
+    scratch = CommAccounting()  # the probe's bytes are not an allreduce's
+    links = probe_links(*(Comm(g, r, groups.topology, scratch) for g, r in (
+        (groups.intra, groups.intra_ranks), (groups.inter, groups.inter_ranks), (None, list(range(WORLD))))))
+    local_zero = rank % PER_NODE == 0
+    veth = os.environ.get("GLOO_SOCKET_IFNAME")
+    rows = []
+    for mib, param in zip(args.sizes, params):
+        numel = param.numel()
+        buf = torch.randn(numel)
+        for name, sync in syncs.items():  # warm-up: connections, allocations
+            sync.reduce(_Bucket(buf.clone(), param)).wait()
+            sync.after_optimizer_step()
+        for rep in range(args.reps):
+            names = list(syncs)
+            names = names[rep % len(names):] + names[: rep % len(names)]  # interleaved, rotating order
+            for name in names:
+                sync = syncs[name]
+                x = buf.clone()
+                dist.barrier()
+                before = _counters() if local_zero and veth else {}
+                dist.barrier()
+                start = time.perf_counter()
+                sync.reduce(_Bucket(x, param)).wait()
+                elapsed = time.perf_counter() - start
+                sync.after_optimizer_step()
+                dist.barrier()
+                after = _counters() if local_zero and veth else {}
+                measured = [0.0, 0.0]  # inter (veth), intra (lo) tx bytes of this node
+                if before:
+                    measured = [after[veth] - before[veth], after["lo"] - before["lo"]]
+                stats = torch.tensor(
+                    [elapsed, sync.accounting.last_step.inter_bytes, sync.accounting.last_step.intra_bytes, *measured],
+                    dtype=torch.float64,
+                )
+                gathered = [torch.empty_like(stats) for _ in range(WORLD)]
+                dist.all_gather(gathered, stats)
+                g = torch.stack(gathered)
+                rows.append({
+                    "mib": mib, "algorithm": name, "rep": rep, "seconds": g[:, 0].max().item(),
+                    "accounted_inter": g[:, 1].mean().item(), "accounted_intra": g[:, 2].mean().item(),
+                    "measured_inter": g[:, 3].sum().item() / WORLD if veth else None,
+                    "measured_intra": g[:, 4].sum().item() / WORLD if veth else None,
+                })
+    if rank == 0:
+        out = {"rows": rows, "links": {"intra": [links.intra.alpha, links.intra.beta],
+                                       "inter": [links.inter.alpha, links.inter.beta]}}
+        Path(args.out).write_text(json.dumps(out))
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------- driver
+
+
+def _sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, check=check, capture_output=True, text=True)
+
+
+class Namespaces:
+    """Two network namespaces (one per emulated node) joined by a veth pair; deleted on exit."""
+
+    def __init__(self) -> None:
+        tag = f"{os.getpid() % 100000}"
+        self.ns = [f"hzb{tag}n0", f"hzb{tag}n1"]
+        self.dev = [f"hzb{tag}v0", f"hzb{tag}v1"]
+        self.addr = ["10.231.7.1", "10.231.7.2"]
+
+    def __enter__(self) -> "Namespaces":
+        try:
+            for ns in self.ns:
+                _sh("ip", "netns", "add", ns)
+                _sh("ip", "-n", ns, "link", "set", "lo", "up")
+            _sh("ip", "link", "add", self.dev[0], "netns", self.ns[0], "type", "veth", "peer", "name", self.dev[1],
+                "netns", self.ns[1])
+            for ns, dev, addr in zip(self.ns, self.dev, self.addr):
+                _sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+                _sh("ip", "-n", ns, "link", "set", dev, "up")
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def shape(self, rate: str) -> bool:
+        """A tbf rate limit on both ends of the veth; False when the kernel refuses it."""
+        for ns, dev in zip(self.ns, self.dev):
+            r = _sh("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate,
+                    "burst", "256kb", "latency", "100ms", check=False)
+            if r.returncode:
+                print(f"tbf refused on {dev}: {r.stderr.strip()}")
+                return False
+        return True
+
+    def __exit__(self, *exc) -> None:
+        for ns in self.ns:
+            _sh("ip", "netns", "del", ns, check=False)  # deleting a namespace deletes its end of the veth
+
+    def command(self, rank: int) -> tuple[list[str], dict[str, str]]:
+        node = rank // PER_NODE
+        env = {"GLOO_SOCKET_IFNAME": self.dev[node], "MASTER_ADDR": self.addr[0]}
+        return ["ip", "netns", "exec", self.ns[node]], env
+
+
+def launch(args: argparse.Namespace, ns: Namespaces | None, out: str) -> dict:
+    procs = []
+    port = str(29000 + os.getpid() % 1000)
+    try:
+        for rank in range(WORLD):
+            prefix, extra = ns.command(rank) if ns else ([], {"MASTER_ADDR": "127.0.0.1"})
+            env = {**os.environ, "MASTER_PORT": port, "OMP_NUM_THREADS": "1", **extra}
+            cmd = [*prefix, sys.executable, __file__, "--worker", str(rank), "--out", out,
+                   "--sizes", ",".join(map(str, args.sizes)), "--reps", str(args.reps)]
+            if args.with_int8:
+                cmd.append("--with-int8")
+            procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
+        deadline = time.time() + args.timeout
+        for p in procs:
+            if p.wait(timeout=max(1.0, deadline - time.time())):
+                raise RuntimeError(f"a bench rank exited with {p.returncode}")
+    finally:
+        for p in procs:  # reap every rank, whatever happened
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    return json.loads(Path(out).read_text())
+
+
+def report(title: str, result: dict) -> CostModel:
+    links = CostModel.coerce(result["links"])
+    print(f"\n== {title}: probed links: {links.describe()}")
+    rows = result["rows"]
+    names = list(dict.fromkeys(r["algorithm"] for r in rows))
+    measured = rows[0]["measured_inter"] is not None
+    head = f"{'MiB':>5} " + " ".join(f"{n + ' ms':>22}" for n in names) + "  " + " ".join(
+        f"{'flat/' + n:>16}" for n in names[1:])
+    print(head)
+    for mib in dict.fromkeys(r["mib"] for r in rows):
+        t = {n: statistics.median(r["seconds"] for r in rows if r["mib"] == mib and r["algorithm"] == n) for n in names}
+        print(f"{mib:>5g} " + " ".join(f"{t[n] * 1e3:>22.1f}" for n in names) + "  "
+              + " ".join(f"{t['flat'] / t[n]:>16.2f}" for n in names[1:]))
+    print(f"\ninter-node MiB per rank per allreduce: accounted | model" + (" | veth counters" if measured else ""))
+    for mib in dict.fromkeys(r["mib"] for r in rows):
+        cells = []
+        for n in names:
+            r = next(r for r in rows if r["mib"] == mib and r["algorithm"] == n)
+            algorithm, compression = (n.split("_") + [None])[:2]
+            model = links.predict(algorithm, int(mib * MIB) // 4, WORLD // PER_NODE, PER_NODE, compression)
+            cell = f"{r['accounted_inter'] / MIB:.3f} | {model.inter_bytes / MIB:.3f}"
+            if measured:
+                cell += f" | {r['measured_inter'] / MIB:.3f}"
+            cells.append(f"{n}: {cell}")
+        print(f"{mib:>5g}  " + "   ".join(cells))
+    if measured:
+        r = [x for x in rows if x["accounted_inter"] > 0]
+        ratio = [x["measured_inter"] / x["accounted_inter"] for x in r]
+        print(f"veth bytes / accounted bytes: {min(ratio):.3f} .. {max(ratio):.3f} (TCP/IP + Ethernet headers, ACKs)")
+        ri = [x["measured_intra"] / x["accounted_intra"] for x in rows if x["accounted_intra"] > 0]
+        print(f"loopback bytes / accounted intra-node bytes: {min(ri):.3f} .. {max(ri):.3f}")
+    return links
+
+
+def predictions(title: str, model: CostModel, mib: float = 8) -> None:
+    numel = int(mib * MIB) // 4
+    print(f"\n== cost model, {mib:g} MiB bucket, {title}: {model.describe()}")
+    print(f"{'nodes':>6} {'x L':>4} {'flat ms':>9} {'hier ms':>9} {'hier+int8':>10} {'flat/hier':>9}"
+          f" {'inter MiB/rank flat | hier (busiest rank, flat)':>48} {'auto':>13}")
+    for nodes in (8, 16, 64, 256):
+        for per_node in (2, 8):
+            f = model.predict("flat", numel, nodes, per_node)
+            h = model.predict("hierarchical", numel, nodes, per_node)
+            q = model.predict("hierarchical", numel, nodes, per_node, compression="int8")
+            choice = model.choose(numel, nodes, per_node, (("flat", nodes * per_node), ("hierarchical", per_node)))
+            inter = f"{f.inter_bytes / MIB:.3f} | {h.inter_bytes / MIB:.3f} ({f.inter_bytes_max / MIB:.2f})"
+            print(f"{nodes:>6} {per_node:>4} {f.time * 1e3:>9.2f} {h.time * 1e3:>9.2f} {q.time * 1e3:>10.2f}"
+                  f" {f.time / h.time:>9.2f} {inter:>48} {choice[0]:>13}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sizes", type=lambda s: [float(v) for v in s.split(",")], default=[1, 2, 4, 8, 16, 32, 64])
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--rate", default="1gbit", help="tbf rate of the inter-node link for the shaped run")
+    p.add_argument("--no-netns", action="store_true", help="run on loopback only")
+    p.add_argument("--no-shape", action="store_true", help="skip the rate-limited run")
+    p.add_argument("--with-int8", action="store_true", help="add hierarchical with int8 compression")
+    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker is not None:
+        worker(args.worker, args)
+        return
+    netns = not args.no_netns and os.geteuid() == 0 and shutil.which("ip") is not None
+    if not args.no_netns and not netns:
+        print("not root or no iproute2: all ranks on loopback, no interface counters")
+    tmp = tempfile.mkdtemp(prefix="bench_collectives_")
+    probed = None
+    if netns:
+        with Namespaces() as ns:
+            probed = report("2 namespaces joined by veth, unshaped", launch(args, ns, f"{tmp}/plain.json"))
+            if not args.no_shape and ns.shape(args.rate):
+                probed = report(f"veth rate-limited by tbf to {args.rate}", launch(args, ns, f"{tmp}/tbf.json"))
+    else:
+        probed = report("loopback", launch(args, None, f"{tmp}/plain.json"))
+    predictions("links probed here", probed)
+    predictions("reference cluster (25 Gbit/s Ethernet)", CLUSTER)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""Tokens/s, peak RSS and bytes per parameter of one GPT under each precision, interleaved in one process.
+
+    python recipes/bench_precision.py                       # ~12M-parameter GPT, 3 interleaved rounds
+    python recipes/bench_precision.py --dim 256 --layers 4  # quicker
+
+Configs: Lightning's fp32 ("32-true") and "bf16-mixed", then HorizonPrecision's "auto", bf16-true with an fp32
+master and with Kahan compensation (compute "auto"), and bf16-true + kahan with compute forced to fp32 (the path
+"auto" takes on CPUs without native bf16). Each round runs every config for ``--steps`` timed steps (after
+``--warmup``), so machine noise hits all configs alike; the median step over all rounds gives tokens/s.
+
+Bytes per parameter are measured on the live tensors after a step (weights, master or compensation, grads,
+optimizer state; AdamW); "analytic" is :func:`lightning_horizon.precision.bytes_per_param`. Peak RSS is the
+process's resident set sampled at the step's hooks, minus the resident set before that fit: approximate
+(the allocator keeps freed memory), but comparable across configs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import time
+
+import psutil
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import lightning.pytorch as L
+from lightning_horizon.precision import HorizonPrecision, bytes_per_param, held_bytes, isa_name, native_bf16
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.fc, self.out = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in self.qkv(self.ln1(x)).split(C, 2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C)
+        x = x + self.proj(y)
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(L.LightningModule):
+    def __init__(self, vocab: int, dim: int, layers: int, heads: int, seq: int) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, dim), nn.Embedding(seq, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.wte.weight  # tied, as in GPT-2
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+    def training_step(self, batch: torch.Tensor, _: int) -> torch.Tensor:
+        logits = self(batch[:, :-1])
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=3e-4, weight_decay=0.1)
+
+
+class Probe(L.Callback):
+    """Step times after warmup, RSS at every hook, and the bytes held after the last step."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup, self.times, self.rss, self.held = warmup, [], [], None
+        self.proc = psutil.Process()
+
+    def _sample(self) -> None:
+        self.rss.append(self.proc.memory_info().rss)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._sample()
+        self.t0 = time.perf_counter()
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        self._sample()
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self._sample()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if batch_idx >= self.warmup:
+            self.times.append(time.perf_counter() - self.t0)
+        self._sample()
+        self.held = held_bytes(pl_module, trainer.optimizers, trainer.precision_plugin)
+
+
+CONFIGS = {
+    "fp32 (32-true)": lambda: {"precision": "32-true"},
+    "lightning bf16-mixed": lambda: {"precision": "bf16-mixed"},
+    "horizon auto": lambda: {"plugins": [HorizonPrecision("auto")]},
+    "horizon bf16-true fp32-master": lambda: {"plugins": [HorizonPrecision("bf16-true", master="fp32")]},
+    "horizon bf16-true kahan": lambda: {"plugins": [HorizonPrecision("bf16-true", master="kahan")]},
+    "horizon bf16-true kahan compute=fp32": lambda: {
+        "plugins": [HorizonPrecision("bf16-true", master="kahan", compute="fp32")]
+    },
+}
+ANALYTIC = {"fp32 (32-true)": ("fp32", None), "lightning bf16-mixed": ("bf16-mixed", None),
+            "horizon auto": ("auto", None), "horizon bf16-true fp32-master": ("bf16-true", "fp32"),
+            "horizon bf16-true kahan": ("bf16-true", "kahan"),
+            "horizon bf16-true kahan compute=fp32": ("bf16-true", "kahan")}
+
+
+def run_one(name: str, args: argparse.Namespace, data: torch.Tensor) -> Probe:
+    torch.manual_seed(0)
+    model = GPT(args.vocab, args.dim, args.layers, args.heads, args.seq)
+    probe = Probe(args.warmup)
+    gc.collect()
+    base = probe.proc.memory_info().rss
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=args.warmup + args.steps, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[probe], **CONFIGS[name](),
+    )
+    loader = torch.utils.data.DataLoader(data, batch_size=args.batch)
+    trainer.fit(model, loader)
+    probe.peak = max(probe.rss) - base
+    probe.params = sum(p.numel() for p in model.parameters())
+    return probe
+
+
+def markov_tokens(n: int, seq: int, vocab: int) -> torch.Tensor:
+    """Token sequences from a fixed random sparse Markov chain: learnable structure, no download."""
+    g = torch.Generator().manual_seed(1)
+    nxt = torch.randint(0, vocab, (vocab, 4), generator=g)
+    out = torch.empty(n, seq + 1, dtype=torch.long)
+    out[:, 0] = torch.randint(0, vocab, (n,), generator=g)
+    for t in range(seq):
+        out[:, t + 1] = nxt[out[:, t], torch.randint(0, 4, (n,), generator=g)]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--dim", type=int, default=384)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--heads", type=int, default=6)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=6, help="timed steps per config and round")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    data = markov_tokens(args.batch * (args.warmup + args.steps), args.seq, args.vocab)
+    print(f"ISA: {isa_name()}; native bf16: {native_bf16()}; torch {torch.__version__}; threads {args.threads}")
+
+    results: dict[str, list[Probe]] = {name: [] for name in args.configs}
+    for r in range(args.rounds):
+        for name in args.configs:
+            results[name].append(run_one(name, args, data))
+            print(f"  round {r + 1}/{args.rounds} {name}: {statistics.median(results[name][-1].times) * 1e3:.0f} ms/step",
+                  flush=True)
+
+    tokens = args.batch * args.seq
+    base_name = args.configs[0]
+    speed = {n: tokens / statistics.median([t for p in ps for t in p.times]) for n, ps in results.items()}
+    fp32_bytes = results[base_name][-1].held["total"]
+    n_params = results[base_name][-1].params
+    print(f"\nGPT {n_params / 1e6:.2f}M params, batch {args.batch} x {args.seq} tokens, AdamW; ratios against "
+          f"{base_name!r}; bytes/param held after a step (weights + master/comp + grads + optimizer state)")
+    print(f"{'config':40s} {'tok/s':>8s} {'ratio':>6s} {'peakRSS MB':>10s}  {'w':>4s} {'m':>4s} {'g':>4s} "
+          f"{'s':>4s} {'B/param':>7s} {'analytic':>8s} {'vs fp32':>7s}")
+    for name, probes in results.items():
+        held = probes[-1].held
+        per = {k: v / n_params for k, v in held.items()}
+        analytic = bytes_per_param(*ANALYTIC[name])["total"] if name in ANALYTIC else float("nan")
+        peak = statistics.median(p.peak for p in probes) / 2**20
+        print(f"{name:40s} {speed[name]:8.0f} {speed[name] / speed[base_name]:6.2f} {peak:10.0f}  "
+              f"{per['weights']:4.1f} {per['master']:4.1f} {per['grads']:4.1f} {per['state']:4.1f} "
+              f"{per['total']:7.2f} {analytic:8d} {held['total'] / fp32_bytes:7.1%}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""A small GPT for the recipes and the benchmark: pre-norm blocks, one fused QKV projection, tanh-approximate GELU,
+tied input/output embeddings, ``F.scaled_dot_product_attention``.
+
+Plain ``torch.nn``: nothing here knows about Lightning, so the same module trains under any strategy or precision
+and the benchmark compares like with like.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class GPTConfig:
+    """The model's shape. The named sizes in recipes/configs/ follow GPT-2/GPT-3 shapes (layers x width)."""
+
+    vocab_size: int = 256
+    """Tokens in the vocabulary (256 for the byte-level tokenizer)."""
+    block_size: int = 256
+    """Longest context, in tokens (positions are learned)."""
+    n_layer: int = 6
+    """Transformer blocks."""
+    n_head: int = 6
+    """Attention heads; must divide ``n_embd``."""
+    n_embd: int = 384
+    """Residual width."""
+    dropout: float = 0.0
+    """Dropout on attention weights and residual branches (0 for pretraining on enough data)."""
+    bias: bool = True
+    """Biases in the Linear and LayerNorm layers."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"GPTConfig({name}={value!r}): allowed is an int >= 1")
+        if self.n_embd % self.n_head:
+            raise ValueError(
+                f"GPTConfig(n_embd={self.n_embd}, n_head={self.n_head}): n_head must divide n_embd"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig(dropout={self.dropout!r}): allowed is a number in [0, 1)")
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        # One (d, 3d) matmul instead of three (d, d): one larger GEMM keeps the CPU's vector units busier.
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.n_head, self.dropout = cfg.n_head, cfg.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.n_head, d // self.n_head).permute(2, 0, 3, 1, 4)
+        # SDPA picks torch's fused CPU flash-attention kernel: no (t, t) score matrix is kept for backward.
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x), approximate="tanh"))  # GPT-2's GELU
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        # Pre-norm: the residual stream is never normalized, which keeps deep stacks trainable without warm-up tricks.
+        self.ln1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln1(x)))
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.head.weight = self.wte.weight  # tied: one matrix reads and writes tokens
+        self.apply(self._init)
+        # GPT-2: scale the residual projections by 1/sqrt(2 * layers) so the stream's variance does not grow
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Logits ``(batch, time, vocab)`` for token ids ``(batch, time)``."""
+        t = idx.shape[1]
+        if t > self.cfg.block_size:
+            raise ValueError(f"GPT.forward: sequence length {t} exceeds block_size={self.cfg.block_size}")
+        pos = torch.arange(t, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        """Parameters (the tied matrix counted once); without the position embedding by default, as GPT-2 counts."""
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.wpe.weight.numel() if non_embedding else n
+
+
+def train_flops_per_token(cfg: GPTConfig, seq_len: int) -> float:
+    """Matmul FLOPs per trained token (forward + backward = 3x forward), attention included, as in PaLM's appendix B.
+
+    The closed form the MFU figures are checked against; the monitors use Lightning's ``measure_flops`` instead.
+    """
+    n = 12 * cfg.n_layer * cfg.n_embd**2 + cfg.vocab_size * cfg.n_embd  # weight matmuls, head included
+    attn = 2 * cfg.n_layer * seq_len * cfg.n_embd  # QK^T and AV, causal half not subtracted (as the counter)
+    return 6 * n + 6 * attn

@@ -1,0 +1,320 @@
+"""Raw torch DDP on gloo, 4 ranks = 2 emulated nodes x 2, checking every comm hook against DDP's own allreduce.
+
+Run by tests/test_collectives.py through tests/launch.run_script (hard timeout, process-group kill). Writes one
+JSON file of named checks ``{name: {"ok": bool, "detail": str}}``; each pytest test asserts one of them.
+
+    python tests/scripts/collectives_ddp.py OUT.json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from lightning_horizon.collectives import CollectivesConfig, CostModel, GradientSync
+from lightning_horizon.topology import ProcessGroups, Topology
+
+WORLD, PER_NODE = 4, 2
+ITERS = 100  # parity iterations (DDP rebuilds its buckets after the first)
+TRAIN_STEPS = 50  # loss-trajectory steps
+TRAJECTORY_RTOL = 1e-4  # hierarchical / torus2d sum in another order: rounding only, over 50 Adam steps
+COMPRESSED_STEPS = 150
+COMPRESSED_RTOL = 0.02  # final loss of int8 / bf16 with error feedback vs uncompressed, relative
+WIDTH = 32
+EQUAL_BUCKET_MB = (WIDTH * WIDTH + WIDTH) * 4 / 2**20  # one Linear(32, 32) per bucket: 4 equal buckets
+ODD_BUCKET_MB = 416 * 4 / 2**20  # DDP closes a bucket once it holds >= the cap
+# Link constants for `auto` under which buckets above about 1000 elements go flat, smaller ones hierarchical.
+AUTO_COSTS = {"intra": (1e-6, 1e-9), "inter": (1e-6, 1e-9)}
+
+
+def equal_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh()) for _ in range(4)])
+
+
+def odd_model() -> torch.nn.Module:
+    """Two buckets (416 and 3135 elements after the rebuild, with ODD_BUCKET_MB) that need padding; `auto` takes
+    a different algorithm for each."""
+    torch.manual_seed(1)
+    return torch.nn.Sequential(
+        torch.nn.Linear(WIDTH, 95), torch.nn.Tanh(), torch.nn.Linear(95, 3), torch.nn.Tanh(), torch.nn.Linear(3, WIDTH)
+    )
+
+
+def batch(it: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * it + rank)
+    x = torch.randn(16, WIDTH, generator=g)
+    return x, torch.sin(x.roll(1, dims=1))
+
+
+def wrap(model: torch.nn.Module, groups: ProcessGroups, bucket_mb: float, **cfg) -> tuple[DDP, GradientSync | None]:
+    ddp = DDP(model, bucket_cap_mb=bucket_mb)
+    if not cfg:
+        return ddp, None
+    sync = GradientSync(CollectivesConfig(**cfg), groups, model)
+    ddp.register_comm_hook(sync, sync.hook)
+    return ddp, sync
+
+
+def grads(m: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.reshape(-1) for p in m.parameters()])
+
+
+def same_on_all_ranks(t: torch.Tensor) -> bool:
+    out = [torch.empty_like(t) for _ in range(WORLD)]
+    dist.all_gather(out, t)
+    return all(torch.equal(out[0], o) for o in out)
+
+
+def mean_over_ranks(values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t)
+    return (t / WORLD).tolist()
+
+
+def check_parity(checks: dict, groups: ProcessGroups, factory, bucket_mb: float, variants: dict, tag: str) -> dict:
+    """Every variant computes gradients at the reference's parameters for ITERS iterations; compare each."""
+    ref, _ = wrap(factory(), groups, bucket_mb)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    runs = {name: wrap(factory(), groups, bucket_mb, **cfg) for name, cfg in variants.items()}
+    sizes = {name: record_bucket_sizes(sync) for name, (_, sync) in runs.items()}
+    worst = {name: 0.0 for name in runs}
+    history: dict[str, list[torch.Tensor]] = {name: [] for name in runs}  # every iteration's gradients
+    ef_sums = {name: torch.zeros_like(grads_like(ref)) for name in runs}
+    ref_sum = torch.zeros_like(grads_like(ref))
+    bucket_params: list[list[int]] = []
+    step_bytes: dict[str, list[tuple[float, float]]] = {name: [] for name in runs}
+    for it in range(ITERS):
+        x, y = batch(it, dist.get_rank())
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        g_ref = grads(ref.module)
+        ref_sum += g_ref
+        for name, (ddp, sync) in runs.items():
+            with torch.no_grad():
+                for p, q in zip(ddp.module.parameters(), ref.module.parameters()):
+                    p.copy_(q)
+                    p.grad = None
+            sizes[name].clear()  # keep the last iteration's bucket sizes
+            torch.nn.functional.mse_loss(ddp(x), y).backward()
+            g = grads(ddp.module)
+            ef_sums[name] += g
+            sync.after_optimizer_step()
+            step_bytes[name].append((sync.accounting.last_step.intra_bytes, sync.accounting.last_step.inter_bytes))
+            if variants[name].get("compression") is None:
+                worst[name] = max(worst[name], rel_excess(g, g_ref))
+            history[name].append(g)
+        opt.step()
+    for name, (ddp, sync) in runs.items():
+        cfg = variants[name]
+        if cfg.get("compression") is None:
+            checks[f"parity_{tag}_{name}"] = result(
+                worst[name] <= 1.0, f"max |g-g_ref| / (1e-6 |g_ref| + atol) = {worst[name]:.3f} over {ITERS} iterations"
+            )
+        else:
+            # Error feedback: sum of applied gradients + (sum over ranks of the residual) / P == sum of true ones.
+            residual = torch.cat([sync.error_feedback.residual.get(n, torch.zeros_like(p)).reshape(-1)
+                                  for n, p in ddp.module.named_parameters()])
+            dist.all_reduce(residual)
+            lhs = ef_sums[name] + residual / WORLD
+            err = ((lhs - ref_sum).abs().max() / ref_sum.abs().max()).item()
+            drift = ((ef_sums[name] - ref_sum).abs().max() / ref_sum.abs().max()).item()
+            checks[f"error_feedback_{tag}_{name}"] = result(
+                err < 1e-5 and residual.abs().max().item() > 0,
+                f"telescoping identity max rel error {err:.2e} (without the residual {drift:.2e}),"
+                f" residual max {residual.abs().max().item():.2e}",
+            )
+        if cfg["algorithm"] == "auto" and tag == "odd":
+            checks[f"auto_choices_{tag}"] = result(set(sync._choices.values()) == {"flat", "hierarchical"},
+                                                   f"auto chose {sync._choices}")
+        checks[f"bitwise_{tag}_{name}"] = result(same_on_all_ranks(torch.stack(history[name])),
+                                                  f"gradients bitwise equal on all ranks, all {ITERS} iterations")
+        checks[f"accounting_{tag}_{name}"] = check_bytes(sync, cfg, sizes[name], step_bytes[name])
+    return checks
+
+
+def record_bucket_sizes(sync: GradientSync) -> list[int]:
+    """Record the size of every bucket the hook reduces (instance attribute shadows the method)."""
+    sizes: list[int] = []
+    reduce = sync.reduce
+
+    def recording(bucket):
+        sizes.append(bucket.buffer().numel())
+        return reduce(bucket)
+
+    sync.reduce = recording
+    return sizes
+
+
+def grads_like(ddp: DDP) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in ddp.module.parameters()])
+
+
+def rel_excess(g: torch.Tensor, ref: torch.Tensor) -> float:
+    """max over elements of |g - ref| / (rtol |ref| + atol): <= 1 means allclose(rtol=1e-6, atol) holds.
+
+    atol = 1e-6 * max|ref|: summing in another order differs by a few ulp of the *terms*, which near a
+    cancelling sum is more than 1e-6 of the (small) sum itself.
+    """
+    atol = 1e-6 * ref.abs().max().item()
+    return ((g - ref).abs() / (1e-6 * ref.abs() + atol)).max().item()
+
+
+def check_bytes(sync: GradientSync, cfg: dict, sizes: list[int], per_step: list[tuple[float, float]]) -> dict:
+    """The accounting's bytes (mean over ranks, last step) vs the cost model's for that step's buckets."""
+    model = CostModel.coerce(AUTO_COSTS)
+    expect_intra = expect_inter = 0.0
+    for numel in sizes:
+        algorithm = sync.algorithm_for(numel)
+        p = model.predict(algorithm, numel, WORLD // PER_NODE, PER_NODE, compression=cfg.get("compression"),
+                          torus_cols=sync.torus_cols, int8_block=sync.config.int8_block)
+        expect_intra += p.intra_bytes
+        expect_inter += p.inter_bytes
+    got_intra, got_inter = mean_over_ranks(list(per_step[-1]))
+    ok = abs(got_intra - expect_intra) <= 1e-9 * max(expect_intra, 1) and abs(got_inter - expect_inter) <= 1e-9 * max(
+        expect_inter, 1
+    )
+    return result(ok, f"buckets {sizes}: accounted intra {got_intra:.0f} inter {got_inter:.0f} B/rank/step,"
+                      f" model {expect_intra:.0f} / {expect_inter:.0f}")
+
+
+def train(groups: ProcessGroups, cfg: dict, steps: int) -> list[float]:
+    """Adam on the regression task; the per-step loss averaged over ranks."""
+    ddp, sync = wrap(equal_model(), groups, EQUAL_BUCKET_MB, **cfg)
+    opt = torch.optim.Adam(ddp.parameters(), lr=3e-3)
+    losses = []
+    for it in range(steps):
+        x, y = batch(it, dist.get_rank())
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(ddp(x), y)
+        loss.backward()
+        opt.step()
+        if sync is not None:
+            sync.after_optimizer_step()
+        losses.append(loss.item())
+    return mean_over_ranks(losses)
+
+
+def check_training(checks: dict, groups: ProcessGroups) -> None:
+    ref = train(groups, {}, COMPRESSED_STEPS)
+    for name in ("hierarchical", "torus2d"):
+        got = train(groups, {"algorithm": name}, TRAIN_STEPS)
+        worst = max(abs(a - b) / abs(b) for a, b in zip(got, ref[:TRAIN_STEPS]))
+        checks[f"trajectory_{name}"] = result(worst <= TRAJECTORY_RTOL, f"{TRAIN_STEPS} steps: max relative loss"
+                                              f" difference to DDP {worst:.2e} (allowed {TRAJECTORY_RTOL:g})")
+    final_ref = sum(ref[-10:]) / 10
+    for name, cfg in {"hierarchical_int8": {"algorithm": "hierarchical", "compression": "int8"},
+                      "flat_bf16": {"algorithm": "flat", "compression": "bf16"}}.items():
+        got = train(groups, cfg, COMPRESSED_STEPS)
+        final = sum(got[-10:]) / 10
+        rel = abs(final - final_ref) / final_ref
+        checks[f"compressed_training_{name}"] = result(
+            rel <= COMPRESSED_RTOL, f"{COMPRESSED_STEPS} steps: final loss {final:.5f} vs uncompressed {final_ref:.5f}"
+            f" (first {ref[0]:.4f}): relative difference {rel:.2e}, allowed {COMPRESSED_RTOL:g}")
+
+
+def check_local_sgd(checks: dict, groups: ProcessGroups) -> None:
+    """sync_every=4 after 3 warm-up steps: parameters equal inside a node always, across nodes after syncs."""
+    model = equal_model()
+    ddp, sync = wrap(model, groups, EQUAL_BUCKET_MB, algorithm="hierarchical", sync_every=4, sync_warmup_steps=3)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    within, across, inter_bytes, saved = [], [], [], None
+    for it in range(15):
+        x, y = batch(it, dist.get_rank())
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+        sync.after_optimizer_step()
+        inter_bytes.append(mean_over_ranks([sync.accounting.last_step.inter_bytes])[0])
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        out = [torch.empty_like(flat) for _ in range(WORLD)]
+        dist.all_gather(out, flat)
+        within.append(torch.equal(out[0], out[1]) and torch.equal(out[2], out[3]))
+        across.append(torch.equal(out[0], out[2]))
+        if it + 1 == 9:
+            saved = sync.state_dict()
+    expected = [s <= 3 or (s - 3) % 4 == 0 for s in range(1, 16)]  # warm-up steps, then every 4th
+    checks["local_sgd_schedule"] = result(
+        all(within) and across == expected and all((b > 0) == e for b, e in zip(inter_bytes, expected)),
+        f"within-node equal {within}; across-node equal {across} (expected {expected}); inter bytes {inter_bytes}",
+    )
+    fresh = GradientSync(CollectivesConfig("hierarchical", sync_every=4, sync_warmup_steps=3), groups, equal_model())
+    fresh.load_state_dict(saved)
+    checks["local_sgd_state"] = result(
+        saved == {"algorithm": "hierarchical", "error_feedback": None, "periodic": {"step": 9, "syncs": 1}}
+        and fresh.periodic.step == 9 and not fresh.periodic.global_gradients,
+        f"saved {saved}, restored step {fresh.periodic.step}",
+    )
+
+
+def result(ok: bool, detail: str) -> dict:
+    return {"ok": bool(ok), "detail": detail}
+
+
+def worker(rank: int, port: int, out_path: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    groups = ProcessGroups(Topology(world_size=WORLD, rank=rank, ranks_per_node=PER_NODE))
+    checks: dict = {}
+    try:
+        uncompressed = {
+            "flat": {"algorithm": "flat"},
+            "hierarchical": {"algorithm": "hierarchical"},
+            "torus2d": {"algorithm": "torus2d"},
+            "auto": {"algorithm": "auto", "cost_model": AUTO_COSTS},
+        }
+        compressed = {
+            "flat_int8": {"algorithm": "flat", "compression": "int8"},
+            "hierarchical_int8": {"algorithm": "hierarchical", "compression": "int8"},
+            "torus2d_bf16": {"algorithm": "torus2d", "compression": "bf16"},
+        }
+        clock = Clock(rank)
+        check_parity(checks, groups, equal_model, EQUAL_BUCKET_MB, {**uncompressed, **compressed}, "equal")
+        odd = {k: uncompressed[k] for k in ("hierarchical", "torus2d", "auto")}
+        odd["hierarchical_int8"] = compressed["hierarchical_int8"]
+        clock("parity, equal buckets")
+        check_parity(checks, groups, odd_model, ODD_BUCKET_MB, odd, "odd")
+        clock("parity, odd buckets")
+        check_training(checks, groups)
+        clock("training")
+        check_local_sgd(checks, groups)
+        clock("local SGD")
+    except Exception:
+        checks["script"] = result(False, traceback.format_exc())
+        raise
+    finally:
+        if rank == 0:
+            with open(out_path, "w") as f:
+                json.dump(checks, f, indent=1)
+        dist.destroy_process_group()
+
+
+class Clock:
+    def __init__(self, rank: int) -> None:
+        self.rank, self.last = rank, time.perf_counter()
+
+    def __call__(self, what: str) -> None:
+        now = time.perf_counter()
+        if self.rank == 0:
+            print(f"[collectives_ddp] {what}: {now - self.last:.1f} s", flush=True)
+        self.last = now
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+if __name__ == "__main__":
+    mp.start_processes(worker, args=(free_port(), sys.argv[1]), nprocs=WORLD, start_method="fork")

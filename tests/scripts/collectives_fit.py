@@ -1,0 +1,133 @@
+"""Lightning fits with HorizonStrategy(collectives=...): 4 ranks as 2 emulated nodes x 2, several fits per launch.
+
+Lightning's launcher re-runs this script for local ranks 1..3; rank 0 sets LOCAL_RANK after the first launch,
+so the later fits reuse the same processes and process group. Every rank writes OUT_PREFIX.rank{R}.json:
+``{run name: {...what that rank saw...}}``.
+
+    python tests/scripts/collectives_fit.py OUT_PREFIX WORKDIR
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_horizon import HorizonStrategy
+
+WORLD, PER_NODE, WIDTH = 4, 2, 32
+STEPS_PER_EPOCH = 10
+BUCKET_MB = (WIDTH * WIDTH + WIDTH) * 4 / 2**20  # one Linear(32, 32) per bucket: 4 equal buckets
+
+
+class Regression(L.LightningModule):
+    def __init__(self, optimizer: str = "adam"):
+        super().__init__()
+        self.optimizer = optimizer
+        self.net = nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(4)])
+        self.losses = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        if self.optimizer == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+        return torch.optim.Adam(self.parameters(), lr=3e-3)
+
+
+def dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(WORLD * STEPS_PER_EPOCH * 8, WIDTH, generator=g)
+    return TensorDataset(x, torch.sin(x.roll(1, dims=1)))
+
+
+class Observe(L.Callback):
+    """What the strategy holds while the model is still wrapped: the hook's name, the restored part state."""
+
+    def __init__(self, info: dict) -> None:
+        self.info = info
+
+    def on_train_start(self, trainer, pl_module):
+        model = trainer.strategy.model
+        if hasattr(model, "_get_ddp_logging_data"):
+            self.info["comm_hook"] = model._get_ddp_logging_data().get("comm_hook")
+        part = getattr(trainer.strategy, "_parts", {}).get("collectives")
+        if part is not None:
+            self.info["state_at_start"] = summarize(part.state_dict())
+
+    def on_train_end(self, trainer, pl_module):
+        part = getattr(trainer.strategy, "_parts", {}).get("collectives")
+        if part is not None:
+            self.info["state_at_end"] = summarize(part.state_dict())
+            self.info["metrics"] = part.metrics()
+
+
+def summarize(state: dict) -> dict:
+    """The part's state, JSON-sized: exact sums of the residuals instead of the tensors."""
+    ef = state.get("error_feedback")
+    residual = None
+    if ef is not None:
+        residual = {k: [float(v.double().sum()), float(v.double().abs().sum())] for k, v in ef["residual"].items()}
+    return {"periodic": state.get("periodic"), "residual": residual}
+
+
+def fit(name: str, results: dict, workdir: Path, epochs: int, ckpt_in=None, ckpt_out=None, ddp=False,
+        optimizer="adam", **kw):
+    L.seed_everything(0, verbose=False)
+    model = Regression(optimizer)
+    if ddp:
+        from lightning.pytorch.strategies import DDPStrategy
+
+        strategy = DDPStrategy(bucket_cap_mb=BUCKET_MB)
+    else:
+        strategy = HorizonStrategy(ranks_per_node=PER_NODE, bucket_size_mb=BUCKET_MB, threads_per_rank=1, **kw)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=WORLD, strategy=strategy, max_epochs=epochs, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, default_root_dir=str(workdir),
+    )
+    info: dict = {}
+    trainer.callbacks.append(Observe(info))
+    trainer.fit(model, DataLoader(dataset(), batch_size=8), ckpt_path=ckpt_in)
+    if ckpt_out:
+        trainer.save_checkpoint(ckpt_out)
+    info.update(losses=model.losses, global_step=trainer.global_step, rank=trainer.global_rank)
+    results[name] = info
+    return trainer
+
+
+def main(out_prefix: str, workdir: str) -> None:
+    work = Path(workdir)
+    results: dict = {}
+    epochs = 50 // STEPS_PER_EPOCH  # 50 steps
+    fit("ddp", results, work, epochs, ddp=True)
+    for algorithm in ("flat", "hierarchical", "torus2d"):
+        fit(algorithm, results, work, epochs, collectives=algorithm)
+    fit("auto", results, work, 1, collectives="auto")  # probes the links at setup
+
+    # Resume: error feedback (int8) and local-SGD counters. Local SGD runs plain SGD, whose state is nothing, and
+    # a sync falls on step 10, the checkpoint step: every node then holds what rank 0 saved, and the resumed
+    # run can match the whole one. (Adam's moments differ between nodes and only rank 0's are saved.)
+    resumable = {
+        "int8": dict(collectives="hierarchical", compression="int8"),
+        "local_sgd": dict(collectives="hierarchical", sync_every=4, sync_warmup_steps=6, optimizer="sgd"),
+    }
+    for tag, kw in resumable.items():
+        ckpt = str(work / f"{tag}.ckpt")
+        fit(f"{tag}_whole", results, work, 2, **kw)
+        fit(f"{tag}_first", results, work, 1, ckpt_out=ckpt, **kw)
+        fit(f"{tag}_resumed", results, work, 2, ckpt_in=ckpt, **kw)
+    rank = results["ddp"]["rank"]
+    with open(f"{out_prefix}.rank{rank}.json", "w") as f:
+        json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,283 @@
+"""Collectives: bad input, the cost model, the codecs, and two multi-process launches.
+
+* tests/scripts/collectives_ddp.py: raw torch DDP on gloo, 4 ranks as 2 emulated nodes x 2 (fork, cheap):
+  gradient parity of every hook with DDP's own allreduce over 100 iterations, bitwise agreement across ranks,
+  error feedback, byte accounting vs the cost model, loss trajectories, compressed training, local SGD.
+* tests/scripts/collectives_fit.py: Lightning fits with HorizonStrategy(collectives=...) on the same 4 ranks,
+  in one launch: trajectories vs Lightning's DDP, hook registration on CPU, checkpoint resume of the error
+  feedback and of the local-SGD counters.
+
+Each launch runs once per module (fixtures); the tests below read what it wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_horizon import HorizonStrategy
+from lightning_horizon.collectives import CollectivesConfig, CostModel, Link
+from lightning_horizon.collectives import cost_model as cm
+from lightning_horizon.collectives.compression import Codec, ErrorFeedback
+from tests.launch import REPO, run_script
+
+SCRIPTS = REPO / "tests" / "scripts"
+
+# ---------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    "kwargs, name, allowed",
+    [
+        ({"algorithm": "ring"}, "collectives='ring'", "allowed are ('flat', 'hierarchical', 'torus2d', 'auto')"),
+        ({"compression": "fp8"}, "compression='fp8'", "allowed are (None, 'bf16', 'int8')"),
+        ({"sync_every": 0}, "sync_every=0", "must be an int >= 1"),
+        ({"sync_every": 2.0}, "sync_every=2.0", "must be an int >= 1"),
+        ({"sync_warmup_steps": -1}, "sync_warmup_steps=-1", "must be an int >= 0"),
+        ({"algorithm": "torus2d", "torus_shape": (4,)}, "torus_shape=(4,)", "allowed is None or a pair"),
+        ({"algorithm": "torus2d", "torus_shape": (0, 4)}, "torus_shape=(0, 4)", "allowed is None or a pair"),
+        ({"algorithm": "flat", "torus_shape": (2, 2)}, "torus_shape=(2, 2)", "collectives='torus2d' or 'auto'"),
+        ({"compression": "int8", "sync_every": 2}, "compression='int8'", "allowed is compression=None"),
+        ({"algorithm": "auto", "cost_model": {"intra": 1}}, "cost_model=", "allowed is a CostModel"),
+        ({"int8_block": 0}, "int8_block=0", "must be an int >= 1"),
+    ],
+)
+def test_bad_config_names_parameter_value_and_allowed(kwargs, name, allowed):
+    with pytest.raises(ValueError) as err:
+        CollectivesConfig(**kwargs)
+    assert name in str(err.value) and allowed in str(err.value)
+
+
+def test_torus_shape_must_match_world_size():
+    cfg = CollectivesConfig("torus2d", torus_shape=(3, 2))
+    with pytest.raises(ValueError, match=r"torus_shape=\(3, 2\).*world size 4.*allowed are \[\(1, 4\), \(2, 2\)"):
+        cfg.grid_shape(world_size=4, ranks_per_node=2)
+    assert CollectivesConfig("torus2d").grid_shape(8, 4) == (4, 2)  # default: rows are nodes
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        ({"collectives": "ring"}, "collectives='ring'"),
+        ({"compression": "int4"}, "compression='int4'"),
+        ({"sync_every": 0}, "sync_every=0"),
+        ({"collectives": "torus2d", "torus_shape": (3, 1)}, "torus_shape=(3, 1)"),  # world size 4: at Trainer()
+        ({"collectives": "hierarchical", "ddp_comm_hook": lambda s, b: None}, "ddp_comm_hook="),
+    ],
+)
+def test_strategy_rejects_bad_collectives_before_any_process(kwargs, needle):
+    with pytest.raises(ValueError) as err:
+        L.Trainer(accelerator="cpu", devices=4, strategy=HorizonStrategy(**kwargs), logger=False)
+    assert needle in str(err.value)
+
+
+# ---------------------------------------------------------------------- cost model
+
+LAN = CostModel(intra=Link(2e-6, 1 / 20e9), inter=Link(20e-6, 1 / 1.25e9))  # shared memory; 10 Gbit/s Ethernet
+
+
+def test_textbook_crossover_recursive_doubling_beats_ring_for_small_messages():
+    p, link = 64, Link(10e-6, 1 / 10e9)
+    log_p = math.log2(p)
+    analytic = (2 * (p - 1) - log_p) * link.alpha / ((log_p - 2 * (p - 1) / p) * link.beta)
+    found = cm.crossover(lambda n: cm.recursive_doubling_allreduce(p, n, link), lambda n: cm.ring_allreduce(p, n, link))
+    assert found == pytest.approx(analytic, rel=1e-9)
+    assert cm.recursive_doubling_allreduce(p, analytic / 10, link) < cm.ring_allreduce(p, analytic / 10, link)
+    assert cm.recursive_doubling_allreduce(p, analytic * 10, link) > cm.ring_allreduce(p, analytic * 10, link)
+    # Rabenseifner has the ring's bandwidth term with log latency: never slower than the ring, and never slower
+    # than the binomial tree.
+    for n in (1e2, 1e4, 1e6, 1e8):
+        assert cm.rabenseifner_allreduce(p, n, link) <= cm.ring_allreduce(p, n, link)
+        assert cm.rabenseifner_allreduce(p, n, link) <= cm.binomial_tree_allreduce(p, n, link)
+
+
+def test_simulation_reproduces_the_textbook_ring_on_one_link_class():
+    n = 1 << 20
+    one_node = LAN.predict("flat", n, nodes=1, ranks_per_node=8)
+    assert one_node.time == pytest.approx(cm.ring_allreduce(8, 4 * n, LAN.intra), rel=1e-12)
+    one_per_node = LAN.predict("flat", n, nodes=8, ranks_per_node=1)
+    assert one_per_node.time == pytest.approx(cm.ring_allreduce(8, 4 * n, LAN.inter), rel=1e-12)
+    assert one_per_node.inter_bytes == pytest.approx(2 * 7 / 8 * 4 * n)
+
+
+@pytest.mark.parametrize("nodes", [2, 8, 16, 64, 256])
+@pytest.mark.parametrize("per_node", [2, 8])
+def test_inter_node_bytes_match_closed_forms_and_hierarchical_never_exceeds_flat(nodes, per_node):
+    world = nodes * per_node
+    for numel in (world * 256, world * 65536):
+        flat = LAN.predict("flat", numel, nodes, per_node)
+        hier = LAN.predict("hierarchical", numel, nodes, per_node)
+        nbytes = 4 * numel
+        # Flat ring: one rank per node sends 2(P-1)/P of the bucket across; hierarchical: every rank 2(N-1)/N of 1/L.
+        assert flat.inter_bytes == pytest.approx(2 * (world - 1) / world * nbytes / per_node)
+        assert flat.inter_bytes_max == pytest.approx(2 * (world - 1) / world * nbytes)
+        assert hier.inter_bytes == pytest.approx(2 * (nodes - 1) / nodes * nbytes / per_node)
+        assert hier.inter_bytes <= flat.inter_bytes and hier.inter_bytes_max <= flat.inter_bytes_max
+        torus = LAN.predict("torus2d", numel, nodes, per_node)  # default shape: rows are nodes, the same stages
+        assert (torus.time, torus.inter_bytes) == (hier.time, hier.inter_bytes)
+
+
+def test_compressed_plans_carry_a_quarter_or_half_of_the_bytes_across_nodes():
+    numel, nodes, per_node = 1 << 20, 4, 2
+    base = LAN.predict("hierarchical", numel, nodes, per_node).inter_bytes
+    bf16 = LAN.predict("hierarchical", numel, nodes, per_node, compression="bf16").inter_bytes
+    int8 = LAN.predict("hierarchical", numel, nodes, per_node, compression="int8", int8_block=256).inter_bytes
+    assert bf16 == pytest.approx(base / 2)
+    assert int8 == pytest.approx(base / 4 * (1 + 4 / 256))  # int8 values plus one fp32 scale per 256
+
+
+def test_auto_choice_follows_the_crossover_on_given_constants():
+    # Same constants on both link classes (loopback "nodes"): hierarchical has fewer latency terms (4 vs 6 on
+    # 2 x 2) and 4/3 of the bytes, so it wins below about 4 alpha / (0.5 beta) bytes and flat above.
+    same = CostModel.coerce({"intra": (1e-6, 1e-9), "inter": (1e-6, 1e-9)})
+    candidates = (("flat", 4), ("hierarchical", 2))
+    assert same.choose(416, 2, 2, candidates)[0] == "hierarchical"
+    assert same.choose(3135, 2, 2, candidates)[0] == "flat"
+    # A slow inter-node link: hierarchical for every size on 2 x 8, and flat's busiest rank carries 8x the bytes.
+    for numel in (1 << 10, 1 << 16, 1 << 22):
+        assert LAN.choose(numel, 2, 8, (("flat", 16), ("hierarchical", 8)))[0] == "hierarchical"
+
+
+# ---------------------------------------------------------------------- codecs and error feedback
+
+
+def test_int8_codec_error_is_within_half_a_step_and_keeps_overflow_visible():
+    codec = Codec("int8", int8_block=4)
+    x = torch.tensor([[0.1, -0.5, 0.25, 0.0, 1e3, 1.0, -2.0, 3.0, float("inf"), 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    out = codec.decode(codec.encode(x), 16)
+    step = x[:, :8].view(2, 4).abs().amax(1, keepdim=True) / 127
+    assert ((out[:, :8] - x[:, :8]).view(2, 4).abs() <= step / 2 + 1e-7).all()
+    assert not torch.isfinite(out[0, 8:12]).any()  # an inf in a block: the whole block stays non-finite
+    assert (out[0, 12:] == 0).all()  # an all-zero block decodes to zeros (scale 1, no 0/0)
+    bf16 = Codec("bf16")
+    y = torch.randn(3, 64)
+    assert ((bf16.decode(bf16.encode(y), 64) - y).abs() <= y.abs() * 2**-8).all()
+
+
+class _Bucket:
+    """The parts of torch's GradBucket that ErrorFeedback reads."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self._params = params
+        self._buffer = torch.zeros(sum(p.numel() for p in params))
+        self._grads, offset = [], 0
+        for p in params:
+            self._grads.append(self._buffer[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+    def buffer(self):
+        return self._buffer
+
+    def parameters(self):
+        return self._params
+
+    def gradients(self):
+        return self._grads
+
+
+def test_error_feedback_follows_parameters_across_a_bucket_rebuild():
+    a, b = torch.nn.Parameter(torch.zeros(2, 3)), torch.nn.Parameter(torch.zeros(5))
+    ef = ErrorFeedback([("a", a), ("b", b)])
+    assert ef.gather(_Bucket([a, b])) is None  # nothing fed back yet
+    ef.scatter(_Bucket([a, b]), torch.arange(11.0))  # iteration 0: one bucket [a, b]
+    # After the rebuild: [b] and [a] in their own buckets, in the other order.
+    assert torch.equal(ef.gather(_Bucket([b])), torch.arange(6.0, 11.0))
+    assert torch.equal(ef.gather(_Bucket([a])), torch.arange(6.0))
+    state = ef.state_dict()
+    fresh = ErrorFeedback([("a", a), ("b", b)])
+    fresh.load_state_dict(state)
+    assert torch.equal(fresh.gather(_Bucket([b, a])), torch.cat([torch.arange(6.0, 11.0), torch.arange(6.0)]))
+    ef.scatter(_Bucket([a]), None)  # consumed without compression: zero
+    assert ef.gather(_Bucket([a])) is None
+    with pytest.raises(ValueError, match="shape"):
+        fresh.load_state_dict({"residual": {"a": torch.zeros(3)}})
+
+
+# ---------------------------------------------------------------------- raw DDP, 4 ranks (one launch)
+
+_PARITY = ["flat", "hierarchical", "torus2d", "auto"]
+_COMPRESSED = ["flat_int8", "hierarchical_int8", "torus2d_bf16"]
+DDP_CHECKS = (
+    [f"{kind}_equal_{v}" for v in _PARITY for kind in ("parity", "bitwise", "accounting")]
+    + [f"{kind}_equal_{v}" for v in _COMPRESSED for kind in ("error_feedback", "bitwise", "accounting")]
+    + [f"{kind}_odd_{v}" for v in ("hierarchical", "torus2d", "auto") for kind in ("parity", "bitwise", "accounting")]
+    + [f"{kind}_odd_hierarchical_int8" for kind in ("error_feedback", "bitwise", "accounting")]
+    + ["auto_choices_odd", "trajectory_hierarchical", "trajectory_torus2d"]
+    + ["compressed_training_hierarchical_int8", "compressed_training_flat_bf16"]
+    + ["local_sgd_schedule", "local_sgd_state"]
+)
+
+
+@pytest.fixture(scope="module")
+def ddp_checks(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("collectives_ddp") / "checks.json"
+    run_script(SCRIPTS / "collectives_ddp.py", [out], timeout=300, env={"OMP_NUM_THREADS": "1"})
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("name", DDP_CHECKS)
+def test_raw_ddp(ddp_checks, name):
+    assert "script" not in ddp_checks, ddp_checks["script"]["detail"]
+    assert name in ddp_checks, f"check {name} did not run"
+    assert ddp_checks[name]["ok"], ddp_checks[name]["detail"]
+
+
+# ---------------------------------------------------------------------- Lightning, 4 ranks (one launch)
+
+
+@pytest.fixture(scope="module")
+def fits(tmp_path_factory) -> list[dict]:
+    work = tmp_path_factory.mktemp("collectives_fit")
+    run_script(SCRIPTS / "collectives_fit.py", [work / "out", work], timeout=300, env={"OMP_NUM_THREADS": "1"})
+    return [json.loads((work / f"out.rank{r}.json").read_text()) for r in range(4)]
+
+
+def test_lightning_registers_our_hooks_on_cpu(fits):
+    for ranks in fits:
+        for name in ("flat", "hierarchical", "torus2d", "auto"):
+            assert ranks[name]["comm_hook"] == f"{name}_hook"
+        assert ranks["local_sgd_whole"]["comm_hook"] == "local_sgd_hook"
+
+
+@pytest.mark.parametrize("algorithm", ["flat", "hierarchical", "torus2d"])
+def test_lightning_50_steps_match_ddp(fits, algorithm):
+    for ranks in fits:
+        ref, got = ranks["ddp"]["losses"], ranks[algorithm]["losses"]
+        assert len(got) == len(ref) == 50
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-5, atol=0)
+
+
+def test_lightning_accounting_matches_the_cost_model(fits):
+    """Per rank per step: 4 buckets of 1056 elements, as the cost model counts them (mean over the ranks)."""
+    expect = [LAN.predict("hierarchical", 1056, 2, 2), LAN.predict("flat", 1056, 2, 2)]
+    for name, p in zip(("hierarchical", "flat"), expect):
+        intra = sum(r[name]["metrics"]["comm/intra_bytes"] for r in fits) / 4
+        inter = sum(r[name]["metrics"]["comm/inter_bytes"] for r in fits) / 4
+        assert (intra, inter) == pytest.approx((4 * p.intra_bytes, 4 * p.inter_bytes))
+        assert all(r[name]["metrics"]["comm/seconds"] > 0 for r in fits)
+
+
+def test_lightning_resume_restores_error_feedback(fits):
+    for ranks in fits:
+        saved, restored = ranks["int8_first"]["state_at_end"], ranks["int8_resumed"]["state_at_start"]
+        assert saved["residual"] and restored["residual"] == saved["residual"]  # per rank, exact
+        whole, first, resumed = (ranks[f"int8_{k}"]["losses"] for k in ("whole", "first", "resumed"))
+        assert first == whole[:10]
+        # Not bitwise: DDP's first iteration after the restart uses its initial single bucket, so the int8
+        # blocks (and their scales) fall elsewhere than in the uninterrupted run's rebuilt buckets.
+        torch.testing.assert_close(torch.tensor(resumed), torch.tensor(whole[10:]), rtol=1e-4, atol=0)
+
+
+def test_lightning_resume_continues_local_sgd_without_a_new_warmup(fits):
+    for ranks in fits:
+        assert ranks["local_sgd_first"]["state_at_end"]["periodic"] == {"step": 10, "syncs": 1}
+        assert ranks["local_sgd_resumed"]["state_at_start"]["periodic"] == {"step": 10, "syncs": 1}
+        assert ranks["local_sgd_resumed"]["state_at_end"]["periodic"] == {"step": 20, "syncs": 3}
+        assert ranks["local_sgd_whole"]["state_at_end"]["periodic"] == {"step": 20, "syncs": 3}
+        # The checkpoint fell on a sync: every node resumes from what rank 0 saved, exactly as it would have run.
+        assert ranks["local_sgd_resumed"]["losses"] == ranks["local_sgd_whole"]["losses"][10:]

@@ -1,0 +1,406 @@
+"""HorizonPrecision: dtypes per mode, fp32 accumulation, Kahan updates, loss parity, exact resume, skip = no-op.
+
+Tiny models only (bf16 is emulated on some CPUs). No timing assertions: speed lives in recipes/bench_precision.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import lightning.pytorch as L
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning_horizon import precision as hp
+from lightning_horizon.gradnorm import total_norm_fp32
+from lightning_horizon.precision import HorizonPrecision
+
+V, T, D = 32, 16, 32
+MODES = {  # id -> constructor kwargs
+    "bf16-mixed": dict(mode="bf16-mixed"),
+    "true-fp32": dict(mode="bf16-true", master="fp32"),
+    "true-kahan": dict(mode="bf16-true", master="kahan"),
+    "true-fp32-c32": dict(mode="bf16-true", master="fp32", compute="fp32"),
+    "true-kahan-c32": dict(mode="bf16-true", master="kahan", compute="fp32"),
+}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # conftest restores the count afterwards; 2 OpenMP threads on 2 shared cores crawl when others run tests
+    torch.set_num_threads(1)
+
+
+def markov(n: int, seed: int = 1) -> torch.Tensor:
+    """Sequences from a fixed random Markov chain with 4 successors per token (loss floor ln 4)."""
+    g = torch.Generator().manual_seed(seed)
+    nxt = torch.randint(0, V, (V, 4), generator=torch.Generator().manual_seed(0))
+    out = torch.empty(n, T + 1, dtype=torch.long)
+    out[:, 0] = torch.randint(0, V, (n,), generator=g)
+    for t in range(T):
+        out[:, t + 1] = nxt[out[:, t], torch.randint(0, 4, (n,), generator=g)]
+    return out
+
+
+class TinyLM(L.LightningModule):
+    def __init__(self, lr: float = 1e-2) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lr = lr
+        self.emb = nn.Embedding(V, D)
+        self.ln = nn.LayerNorm(D)
+        self.fc1, self.fc2 = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
+        self.head = nn.Linear(D, V, bias=False)
+        self.head.weight = self.emb.weight  # tied: the fp32-compute upcast must keep the tie
+        self.losses: list[float] = []
+        self.seen: dict[str, torch.dtype] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        h = h + self.fc2(F.gelu(self.fc1(self.ln(h))))
+        return self.head(h)
+
+    def training_step(self, batch: torch.Tensor, _: int) -> torch.Tensor:
+        logits = self(batch[:, :-1])
+        self.seen = {"weight_in_forward": self.fc1.weight.dtype, "logits": logits.dtype}
+        loss = F.cross_entropy(logits.reshape(-1, V).float(), batch[:, 1:].reshape(-1))
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
+
+
+def trainer(plugin=None, steps: int = -1, callbacks=(), **kw) -> L.Trainer:
+    kw.setdefault("enable_checkpointing", False)
+    kw.setdefault("max_epochs", -1 if steps > 0 else 1)
+    return L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_progress_bar=False,
+                     enable_model_summary=False, plugins=[plugin] if plugin is not None else None,
+                     callbacks=list(callbacks), **kw)
+
+
+def loader(n: int = 64, batch: int = 8) -> torch.utils.data.DataLoader:
+    return torch.utils.data.DataLoader(markov(n), batch_size=batch)
+
+
+def snapshot(module, optimizer, plugin) -> list[torch.Tensor]:
+    out = [t.detach().clone() for t in module.state_dict().values()]
+    out += [t.detach().clone() for t in (*plugin._masters.values(), *plugin._comp.values())]
+    out += [v.clone() for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ validation
+
+
+@pytest.mark.parametrize(
+    "kwargs, needles",
+    [
+        (dict(mode="fp16-mixed"), ["mode='fp16-mixed'", "'bf16-mixed'", "'bf16-true'"]),
+        (dict(mode="bf16-true", master="fp64"), ["master='fp64'", "'kahan'", "'fp32'"]),
+        (dict(mode="bf16-mixed", master="fp32"), ["master='fp32'", "mode='bf16-mixed'", "'kahan'"]),
+        (dict(mode="auto", master="kahan"), ["master='kahan'", "mode='auto'"]),
+        (dict(compute="fp8"), ["compute='fp8'", "'auto'", "'bf16'", "'fp32'"]),
+        (dict(backend="onednn"), ["backend='onednn'", "'native'", "'ipex'"]),
+        (dict(mode="bf16-true", state_rounding="up"), ["state_rounding='up'", "'stochastic'", "'nearest'"]),
+        (dict(mode="bf16-true", step_chunk_numel=0), ["step_chunk_numel=0", ">= 1"]),
+    ],
+)
+def test_bad_input_names_parameter_value_and_allowed(kwargs, needles):
+    with pytest.raises(ValueError) as err:
+        HorizonPrecision(**kwargs)
+    for needle in needles:
+        assert needle in str(err.value)
+
+
+# ------------------------------------------------------------------------------------------------ ISA policy
+
+
+def test_auto_follows_the_isa_and_says_why(monkeypatch):
+    # this machine: whatever it has, "auto" must match it and name the ISA
+    plugin = HorizonPrecision()
+    assert plugin.mode == "bf16-mixed"
+    assert plugin.compute == ("bf16" if hp.native_bf16() else "fp32")
+    assert f"ISA found: {hp.isa_name()}" in plugin.reason
+
+    monkeypatch.setattr(hp, "_cpu_flags", lambda: frozenset({"avx", "avx2", "fma"}))  # a Zen 3 / Haswell
+    plugin = HorizonPrecision()
+    assert plugin.compute == "fp32" and plugin.precision == "32-true"
+    assert "no native bf16 -> fp32 compute; pass compute='bf16' to force" in plugin.reason
+    forced = HorizonPrecision(compute="bf16")
+    assert forced.compute == "bf16" and "forced" in forced.reason and "slower" in forced.reason
+
+    monkeypatch.setattr(hp, "_cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16"}))
+    assert HorizonPrecision().compute == "bf16"
+    monkeypatch.setattr(hp, "_cpu_flags", lambda: frozenset({"avx2", "amx_bf16", "amx_tile"}))
+    assert HorizonPrecision().compute == "bf16"
+
+
+def test_policy_logged_once_at_setup():
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("lightning_horizon.precision")
+    logger.addHandler(handler)
+    old = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        trainer(HorizonPrecision("auto"), steps=2).fit(TinyLM(), loader(16))
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old)
+    lines = [r.getMessage() for r in records if "ISA found" in r.getMessage()]
+    assert len(lines) == 1 and "HorizonPrecision(mode='bf16-mixed')" in lines[0]
+
+
+# ------------------------------------------------------------------------------------------------ dtypes
+
+
+class Grab(Callback):
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        plugin = trainer.precision_plugin
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        self.group_dtypes = {p.dtype for p in params}
+        self.grad_dtypes = {p.grad.dtype for p in params if p.grad is not None}
+        self.module_grads = [p.grad for p in pl_module.parameters()]
+        self.norm = plugin.last_grad_norm
+        self.expected_norm = total_norm_fp32(params)
+
+
+@pytest.mark.parametrize("name", list(MODES))
+def test_dtypes_of_weights_grads_and_state(name):
+    plugin, grab, model = HorizonPrecision(**MODES[name]), Grab(), TinyLM()
+    tr = trainer(plugin, steps=3, callbacks=[grab])
+    tr.fit(model, loader(32))
+    opt = tr.optimizers[0]
+    state_dtypes = {k: v.dtype for st in opt.state.values() for k, v in st.items() if isinstance(v, torch.Tensor)}
+    bf16_compute = plugin.compute == "bf16"
+    assert model.seen["logits"] == (torch.bfloat16 if bf16_compute else torch.float32)
+    assert grab.norm.dtype == torch.float32 and grab.norm.dim() == 0
+    assert torch.equal(grab.norm, grab.expected_norm)  # the norm of what the step uses, ready for callbacks
+    if name == "bf16-mixed":
+        assert model.fc1.weight.dtype == torch.float32 and grab.grad_dtypes == {torch.float32}
+        assert state_dtypes == {"step": torch.float32, "exp_avg": torch.float32, "exp_avg_sq": torch.float32}
+        assert tr.precision == ("bf16-mixed" if bf16_compute else "32-true")
+        return
+    assert model.fc1.weight.dtype == torch.bfloat16 and tr.precision == "bf16-true"
+    assert model.seen["weight_in_forward"] == (torch.bfloat16 if bf16_compute else torch.float32)
+    if plugin.master == "fp32":
+        # the optimizer holds the fp32 masters and their fp32 grads; the bf16 module grads were moved there
+        assert grab.group_dtypes == {torch.float32} and grab.grad_dtypes == {torch.float32}
+        assert all(g is None for g in grab.module_grads)
+        assert state_dtypes == {"step": torch.float32, "exp_avg": torch.float32, "exp_avg_sq": torch.float32}
+        assert all(m.dtype == torch.float32 for m in plugin._masters.values())
+    else:
+        assert grab.group_dtypes == {torch.bfloat16} and grab.grad_dtypes == {torch.bfloat16}
+        assert state_dtypes == {"step": torch.float32, "exp_avg": torch.bfloat16, "exp_avg_sq": torch.bfloat16}
+        assert len(plugin._comp) == 7 and all(c.dtype == torch.bfloat16 for c in plugin._comp.values())
+        held = hp.held_bytes(model, tr.optimizers, plugin)
+        n = sum(p.numel() for p in model.parameters())
+        assert hp.bytes_per_param("bf16-true", "kahan")["total"] == 10  # 62.5% of fp32's 16
+        assert 10 * n <= held["total"] <= 10 * n + 4 * 7  # + AdamW's 0-dim fp32 step per tensor
+
+
+# ------------------------------------------------------------------------------------------------ numerics
+
+
+class Accumulate(L.LightningModule):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(n))
+
+    def training_step(self, batch, _):
+        return (self.w * batch[0][0]).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    def on_before_optimizer_step(self, optimizer):
+        self.grad = self.w.grad.detach().double().clone()
+
+
+def test_fp32_gradient_accumulation_beats_bf16():
+    """64 micro-batches: bf16-mixed accumulates in fp32 (rel. error < 1e-6), bf16-true in bf16 (> 1e-3)."""
+    k, n = 64, 2048
+    x = torch.rand(k, n, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16).float()  # exact in bf16
+    exact = x.double().sum(0) / k  # Lightning divides each micro-batch loss by k
+    errors = {}
+    for name in ("bf16-mixed", "true-kahan"):
+        model = Accumulate(n)
+        data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=1)
+        trainer(HorizonPrecision(**MODES[name]), steps=1, accumulate_grad_batches=k).fit(model, data)
+        errors[name] = ((model.grad - exact).norm() / exact.norm()).item()
+    assert errors["bf16-mixed"] < 1e-6, errors
+    assert errors["true-kahan"] > 1e-3, errors
+    assert errors["true-kahan"] > 1000 * errors["bf16-mixed"], errors
+
+
+class Drift(L.LightningModule):
+    """Every step moves each weight by -lr (grad 1): far below bf16's resolution at 1.0 (half-ulp 2e-3)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(64))
+
+    def training_step(self, batch, _):
+        return self.w.float().sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=2.5e-4)
+
+
+def test_kahan_keeps_tiny_updates_that_naive_bf16_loses():
+    steps, moved = 400, 400 * 2.5e-4  # 0.1 in all
+    data = torch.utils.data.DataLoader(torch.zeros(steps, 1), batch_size=1)
+    ref, naive, kahan = Drift(), Drift(), Drift()
+    trainer(steps=steps).fit(ref, data)
+    trainer(steps=steps, precision="bf16-true").fit(naive, data)  # Lightning's plain bf16 weights
+    plugin = HorizonPrecision("bf16-true", master="kahan")
+    trainer(plugin, steps=steps).fit(kahan, data)
+    fp32_move = 1.0 - ref.w.double()
+    assert torch.allclose(fp32_move, torch.full_like(fp32_move, moved), rtol=1e-4)
+    assert (1.0 - naive.w.double()).abs().max() < 0.1 * moved  # naive bf16 lost more than 90% of the movement
+    true_w = kahan.w.double() + plugin._comp[kahan.w].double()  # the weight Kahan carries: bf16 + compensation
+    assert ((1.0 - true_w) - fp32_move).abs().max() < 1e-2 * moved  # within 1% of fp32's movement
+    assert (kahan.w.double() - ref.w.double()).abs().max() <= 2.0**-9  # and the bf16 weight within half an ulp
+
+
+def test_tiny_lm_ends_within_2_percent_of_fp32():
+    steps, data = 120, loader(128, batch=8)
+    ref = TinyLM()
+    trainer(steps=steps).fit(ref, data)
+    final = {}
+    for name, kwargs in MODES.items():
+        model = TinyLM()
+        trainer(HorizonPrecision(**kwargs), steps=steps).fit(model, data)
+        final[name] = sum(model.losses[-16:]) / 16
+    fp32 = sum(ref.losses[-16:]) / 16
+    assert fp32 < 0.7 * ref.losses[0]  # it learned something
+    for name, loss in final.items():
+        assert abs(loss - fp32) <= 0.02 * fp32, (name, loss, fp32)
+
+
+# ------------------------------------------------------------------------------------------------ the step
+
+
+class Skip(Callback):
+    """At step ``at``: record everything, then set every grad in the optimizer's param groups to None."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.before, self.after = at, None, None
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if trainer.global_step == self.at:
+            self.before = snapshot(pl_module, optimizer, trainer.precision_plugin)
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    p.grad = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.at + 1:  # the skipped step still counts as a step
+            self.after = snapshot(pl_module, trainer.optimizers[0], trainer.precision_plugin)
+
+
+@pytest.mark.parametrize("name", ["true-fp32", "true-kahan"])
+def test_all_grads_none_in_callback_makes_the_step_a_no_op(name):
+    skip = Skip(at=3)
+    trainer(HorizonPrecision(**MODES[name]), steps=5, callbacks=[skip]).fit(TinyLM(), loader(64))
+    assert skip.before is not None and skip.after is not None and len(skip.before) == len(skip.after)
+    for a, b in zip(skip.before, skip.after):
+        assert torch.equal(a, b)
+
+
+class CountHooks(Callback):
+    def on_fit_start(self, trainer, pl_module):
+        self.calls = {"pre": 0, "post": 0}
+        opt = trainer.optimizers[0]
+        opt.register_step_pre_hook(lambda *a: self.calls.__setitem__("pre", self.calls["pre"] + 1))
+        opt.register_step_post_hook(lambda *a: self.calls.__setitem__("post", self.calls["post"] + 1))
+
+
+def test_chunked_kahan_step_is_identical_and_runs_hooks_once():
+    models, hooks = [], []
+    for chunk in (1 << 22, 100):  # one call vs. several chunks (the tied embedding alone is 1024 elements)
+        model, count = TinyLM(), CountHooks()
+        trainer(HorizonPrecision("bf16-true", step_chunk_numel=chunk), steps=6, callbacks=[count]).fit(model, loader())
+        models.append(model)
+        hooks.append(count.calls)
+    assert hooks == [{"pre": 6, "post": 6}] * 2
+    for a, b in zip(models[0].state_dict().values(), models[1].state_dict().values()):
+        assert torch.equal(a, b)
+
+
+def test_gradient_clipping_keeps_fp32_pre_clip_norm():
+    plugin, model = HorizonPrecision("bf16-true", master="fp32"), TinyLM()
+    tr = trainer(plugin, steps=2, gradient_clip_val=1e-3)
+    tr.fit(model, loader(16))
+    assert plugin.last_grad_norm.dtype == torch.float32 and plugin.last_grad_norm > 1e-3
+    assert total_norm_fp32([p for g in tr.optimizers[0].param_groups for p in g["params"]]) <= 1e-3 * 1.001
+
+
+# ------------------------------------------------------------------------------------------------ checkpoints
+
+
+@pytest.mark.parametrize("name", ["true-kahan", "true-fp32"])
+def test_stop_and_resume_continues_bit_identically(name, tmp_path):
+    data = loader(48, batch=8)  # 6 steps per epoch; a checkpoint at each epoch end
+    full = TinyLM()
+    ckpt = ModelCheckpoint(dirpath=tmp_path, filename="{epoch}", save_top_k=-1)
+    full_plugin = HorizonPrecision(**MODES[name])
+    trainer(full_plugin, max_epochs=3, callbacks=[ckpt], enable_checkpointing=True, gradient_clip_val=1.0).fit(
+        full, data
+    )
+    resumed = TinyLM(lr=0.5)  # different lr and init: everything must come from the checkpoint
+    with torch.no_grad():
+        for p in resumed.parameters():
+            p.add_(1.0)
+    resumed.lr = full.lr
+    plugin = HorizonPrecision(**MODES[name])
+    tr = trainer(plugin, max_epochs=3, gradient_clip_val=1.0)
+    tr.fit(resumed, data, ckpt_path=str(tmp_path / "epoch=0.ckpt"))
+    assert resumed.losses == full.losses[6:]
+    for a, b in zip(full.state_dict().values(), resumed.state_dict().values()):
+        assert torch.equal(a, b)
+    for store in ("_masters", "_comp"):
+        full_store, res_store = getattr(full_plugin, store), getattr(plugin, store)
+        assert len(full_store) == len(res_store)
+        for a, b in zip(full_store.values(), res_store.values()):
+            assert torch.equal(a, b)
+
+
+def test_kahan_checkpoint_resumes_under_bf16_mixed_with_full_precision(tmp_path):
+    data, ckpt = loader(16), ModelCheckpoint(dirpath=tmp_path, filename="last")
+    kahan_plugin, model = HorizonPrecision("bf16-true"), TinyLM()
+    trainer(kahan_plugin, max_epochs=1, callbacks=[ckpt], enable_checkpointing=True).fit(model, data)
+    carried = {n: p.float() + kahan_plugin._comp[p].float() for n, p in model.named_parameters()}
+    mixed = TinyLM()
+    trainer(HorizonPrecision("bf16-mixed"), max_epochs=1).fit(mixed, data, ckpt_path=str(tmp_path / "last.ckpt"))
+    for n, p in mixed.named_parameters():  # nothing trains (max_epochs reached): weights are what was loaded
+        assert torch.equal(p, carried[n]), n
+
+
+# ------------------------------------------------------------------------------------------------ ipex
+
+
+def test_ipex_mismatch_or_absence_falls_back_with_a_message(monkeypatch):
+    fake = types.ModuleType("intel_extension_for_pytorch")
+    fake.__version__ = "2.8.0+cpu"
+    monkeypatch.setitem(sys.modules, "intel_extension_for_pytorch", fake)
+    ipex, why = hp.ipex_status()
+    assert ipex is None and "2.8.0+cpu does not match torch" in why
+    model = TinyLM()
+    trainer(HorizonPrecision(backend="ipex"), steps=2).fit(model, loader(16))  # warns, trains natively
+    assert len(model.losses) == 2
+
+    calls = []
+    fake.__version__ = torch.__version__
+    fake.optimize = lambda module, **kw: calls.append(kw) or (module, kw["optimizer"])
+    model = TinyLM()
+    trainer(HorizonPrecision(backend="auto"), steps=2).fit(model, loader(16))
+    assert len(calls) == 1 and calls[0]["weights_prepack"] is True and "dtype" not in calls[0]
+    assert len(model.losses) == 2

@@ -131,6 +131,10 @@ def pin(cores: list[int], threads: Optional[int] = None) -> int:
     threads = threads or len(cores)
     for var in _THREAD_VARS:
         os.environ[var] = str(threads)
+    # Intel OpenMP (IPEX, oneDNN builds): spin briefly, then sleep, and keep threads on their cores. GNU OpenMP
+    # (PyPI's torch) ignores these. A user's own setting wins.
+    os.environ.setdefault("KMP_BLOCKTIME", "1")
+    os.environ.setdefault("KMP_AFFINITY", "granularity=fine,compact,1,0")
     torch.set_num_threads(threads)
     return threads
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 from datetime import timedelta
 from typing import Any, Callable, Optional, Union
 
@@ -22,7 +23,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.strategy import Strategy
 from typing_extensions import override
 
-from lightning_horizon import cpu
+from lightning_horizon import cpu, liveness
 from lightning_horizon.checkpoint_io import AtomicCheckpointIO
 from lightning_horizon.rng import RNGState
 from lightning_horizon.collectives import CollectivesConfig, GradientSync
@@ -212,6 +213,8 @@ class HorizonStrategy(DDPStrategy):
             "cores": cores,
             "threads": threads,
             "shared": shared,
+            "host": liveness.host(),
+            "pid": os.getpid(),
         }
         self.placement = self._all_gather_objects(row)
         if any(r["shared"] for r in self.placement) and self.global_rank == 0 and not self._reported:
@@ -303,6 +306,13 @@ class HorizonStrategy(DDPStrategy):
             if hasattr(part, "after_optimizer_step"):
                 part.after_optimizer_step()
         return output
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        # A dead or hung peer surfaces as a socket error or a timeout naming no rank: name it.
+        if self.placement and self.world_size > 1 and liveness.looks_like_lost_peer(exception):
+            log.error(liveness.describe(self.placement, self.global_rank, self._timeout.total_seconds()))
 
     # ------------------------------------------------------------------ checkpoint state of the parts
 

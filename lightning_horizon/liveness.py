@@ -1,0 +1,73 @@
+"""Which rank was lost, when a collective fails because a peer is gone.
+
+Gloo reports a dead peer as a socket error naming an address ("Connection closed by peer [10.0.0.2]:41235"),
+and a peer that hangs as a timeout: neither names the rank. Every rank records its host and pid at setup (the
+strategy's placement table); when a collective fails, the surviving rank checks the pids of the ranks on its own
+host and names those that are no longer running. Ranks on other hosts cannot be checked from here and are
+listed as such, with the node they were on.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from typing import Any
+
+_LOST_PEER = re.compile(
+    r"connection (closed|reset)|broken pipe|read error|timed? ?out|timeout|socket|peer|gloo|closed by",
+    re.IGNORECASE,
+)
+
+
+def host() -> str:
+    return socket.gethostname()
+
+
+def looks_like_lost_peer(exception: BaseException) -> bool:
+    """A collective's error that a dead or hung peer produces (socket errors, timeouts)."""
+    return isinstance(exception, (RuntimeError, ConnectionError, TimeoutError)) and bool(
+        _LOST_PEER.search(str(exception))
+    )
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # an exited child that its launcher has not reaped yet is a zombie: gone for our purpose
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def lost_ranks(placement: list[dict[str, Any]], me: int) -> tuple[list[int], list[int]]:
+    """``(dead, unchecked)``: ranks on this host whose process is gone, and ranks on other hosts."""
+    here = host()
+    dead, unchecked = [], []
+    for row in placement:
+        if row["rank"] == me:
+            continue
+        if row.get("host") != here:
+            unchecked.append(row["rank"])
+        elif not _running(row["pid"]):
+            dead.append(row["rank"])
+    return dead, unchecked
+
+
+def describe(placement: list[dict[str, Any]], me: int, timeout_s: float) -> str:
+    dead, unchecked = lost_ranks(placement, me)
+    node_of = {row["rank"]: row["node"] for row in placement}
+    parts = [f"HorizonStrategy: rank {me} (node {node_of.get(me)}) lost a peer in a collective"]
+    if dead:
+        parts.append("lost: " + ", ".join(f"rank {r} (node {node_of[r]})" for r in dead))
+    if unchecked:
+        nodes = sorted({node_of[r] for r in unchecked})
+        parts.append(f"on other hosts, not checked from here: ranks {unchecked} (nodes {nodes})")
+    if not dead and not unchecked:
+        parts.append(f"every rank on this host is still running: a peer is hung (timeout {timeout_s:g} s)")
+    return "; ".join(parts) + ". Ending this rank; resume with ckpt_path='last'."

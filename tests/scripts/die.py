@@ -1,0 +1,33 @@
+"""A fit in which one rank dies mid-step: python die.py DEVICES VICTIM HOW TIMEOUT_S
+
+HOW is "exit" (os._exit) or "kill" (SIGKILL to itself). The surviving ranks must fail, name the lost rank and
+exit; the launching test checks the time this takes and that no process is left.
+"""
+
+import os
+import signal
+import sys
+
+import lightning as L
+import torch
+
+from lightning_horizon import HorizonStrategy
+from tests.scripts.fit import TinyLM, data
+
+devices, victim, how, timeout_s = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], float(sys.argv[4])
+
+
+class Die(L.Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == 3 and trainer.global_rank == victim:
+            print(f"rank {victim} dies now ({how})", flush=True)
+            if how == "exit":
+                os._exit(3)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=HorizonStrategy(timeout=timeout_s),
+                    max_steps=50, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                    enable_model_summary=False, callbacks=[Die()])
+trainer.fit(TinyLM(), torch.utils.data.DataLoader(data(n=4096), batch_size=8))
+print("FINISHED", flush=True)  # must never be reached

@@ -267,9 +267,9 @@ class HorizonPrecision(Precision):
 
     def _ipex(self, module: Module, optimizers: list[Optimizer]) -> list[Optimizer]:
         ipex, why = ipex_status()
-        if ipex is None or self.mode != "bf16-mixed" or len(optimizers) > 1:
-            if ipex is not None:
-                why = "ipex.optimize is applied to mode='bf16-mixed' with one optimizer only"
+        if ipex is None or self.mode != "bf16-mixed" or len(optimizers) != 1:
+            if ipex is not None:  # without an optimizer ipex.optimize would apply inference-only rewrites
+                why = "ipex.optimize is applied when training with mode='bf16-mixed' and one optimizer"
             level = logging.WARNING if self.backend == "ipex" else logging.INFO
             if rank_zero_only.rank == 0:
                 log.log(level, "HorizonPrecision(backend=%r): using native torch: %s", self.backend, why)
@@ -277,13 +277,10 @@ class HorizonPrecision(Precision):
         # fp32 weights (autocast does the bf16 part); prepacking replaces parameters, which a DDP wrapper
         # built before this point would not see, so only a single process prepacks
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-        kwargs: dict[str, Any] = {"inplace": True, "weights_prepack": not distributed}  # dtype None: fp32
-        if optimizers:
-            kwargs["optimizer"] = optimizers[0]
-        out = ipex.optimize(module, **kwargs)
+        _, optimizer = ipex.optimize(module, optimizer=optimizers[0], inplace=True, weights_prepack=not distributed)
         if rank_zero_only.rank == 0:
             log.info("HorizonPrecision: ipex %s optimize(weights_prepack=%s)", ipex.__version__, not distributed)
-        return [out[1]] if optimizers else optimizers
+        return [optimizer]
 
     # ------------------------------------------------------------------ forward
 
@@ -382,61 +379,68 @@ class HorizonPrecision(Precision):
         return self._kahan_step(optimizer, kwargs)
 
     def _kahan_step(self, optimizer: Optimizer, kwargs: dict[str, Any]) -> Any:
-        todo = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None and p in self._comp]
+        """Step fp32 proxies of the bf16 parameters, chunk by chunk, and fold the results back.
+
+        The optimizer's param groups briefly hold fp32 proxies (weight + compensation, fp32 grad, fp32 state)
+        instead of the bf16 parameters; the parameters themselves never change dtype, which would reset their
+        grad accumulators and with them DDP's gradient hooks.
+        """
+        groups = optimizer.param_groups
+        todo = [(i, p) for i, g in enumerate(groups) for p in g["params"] if p.grad is not None]
         if not todo:  # nothing to update (e.g. a skipped step): still one call, so step hooks run as usual
             return optimizer.step(**kwargs)
-        chunks: list[list[Tensor]] = [[]]
+        chunks: list[list[tuple[int, Tensor]]] = [[]]
         size = 0
-        for p in todo:
+        for i, p in todo:
             if chunks[-1] and size + p.numel() > self.step_chunk_numel:
                 chunks.append([])
                 size = 0
-            chunks[-1].append(p)
+            chunks[-1].append((i, p))
             size += p.numel()
-        grads = {p: p.grad for p in todo}
-        for p in todo:
-            p.grad = None  # the step sees only the current chunk
+        saved = [g["params"] for g in groups]
         pre, post = optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks
         out = None
         try:
-            for i, chunk in enumerate(chunks):
+            for c, chunk in enumerate(chunks):
                 # step hooks once per training step: pre-hooks with the first chunk, post-hooks with the last
-                optimizer._optimizer_step_pre_hooks = pre if i == 0 else OrderedDict()
-                optimizer._optimizer_step_post_hooks = post if i == len(chunks) - 1 else OrderedDict()
-                stored = [self._upcast_param(optimizer, p, grads[p]) for p in chunk]
+                optimizer._optimizer_step_pre_hooks = pre if c == 0 else OrderedDict()
+                optimizer._optimizer_step_post_hooks = post if c == len(chunks) - 1 else OrderedDict()
+                for g in groups:
+                    g["params"] = []
+                proxies = [(p, self._proxy(optimizer, p)) for _, p in chunk if p in self._comp]
+                stepped = dict(proxies)
+                for i, p in chunk:  # a parameter without compensation (not bf16) steps as it is
+                    groups[i]["params"].append(stepped.get(p, p))
                 try:
                     out = optimizer.step(**kwargs)
                 finally:
-                    for p, bf in zip(chunk, stored):
-                        self._fold_param(optimizer, p, bf)
+                    for p, w in proxies:
+                        self._fold(optimizer, p, w)
         finally:
             optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks = pre, post
-            for p in todo:
-                p.grad = grads[p]
+            for g, params in zip(groups, saved):
+                g["params"] = params
         return out
 
     @torch.no_grad()
-    def _upcast_param(self, optimizer: Optimizer, p: Tensor, grad: Tensor) -> Tensor:
-        """Make ``p`` the fp32 true weight (bf16 weight + compensation) with an fp32 grad and fp32 state."""
-        stored = p.data
-        p.data = stored.float().add_(self._comp[p])
-        p.grad = grad.float()
-        state = optimizer.state.get(p)
+    def _proxy(self, optimizer: Optimizer, p: Tensor) -> Tensor:
+        """The fp32 true weight (bf16 weight + compensation) with an fp32 grad, owning p's state in fp32."""
+        w = p.detach().float().add_(self._comp[p])
+        w.grad = p.grad.detach().float()
+        state = optimizer.state.pop(p, None)
         if state:
-            optimizer.state[p] = _cast_state(state, p, torch.float32)  # in place of the bf16 tensors
-        return stored
+            optimizer.state[w] = _cast_state(state, p, torch.float32)
+        return w
 
     @torch.no_grad()
-    def _fold_param(self, optimizer: Optimizer, p: Tensor, stored: Tensor) -> None:
+    def _fold(self, optimizer: Optimizer, p: Tensor, w: Tensor) -> None:
         """Round the stepped fp32 weight into bf16 weight + bf16 compensation (the residual); state back to bf16."""
-        w = p.data
-        p.grad = None
-        stored.copy_(w)  # round to nearest
-        self._comp[p].copy_(w.sub_(stored))  # what bf16 could not hold, kept for the next step
-        p.data = stored
-        state = optimizer.state.get(p)
+        p.copy_(w)  # round to nearest
+        self._comp[p].copy_(w.sub_(p))  # what bf16 could not hold, kept for the next step
+        state = optimizer.state.pop(w, None)
         if not state:
             return
+        optimizer.state[p] = state
         bits = None
         for j, k in enumerate([k for k, v in state.items() if _per_element(k, v, p) and v.dtype != torch.bfloat16]):
             x = state[k]

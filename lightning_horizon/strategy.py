@@ -26,6 +26,7 @@ from typing_extensions import override
 from lightning_horizon import cpu, liveness
 from lightning_horizon.checkpoint_io import AtomicCheckpointIO
 from lightning_horizon.rng import RNGState
+from lightning_horizon.sharding import GraphSharder, ShardingConfig, resolve_sharding
 from lightning_horizon.collectives import CollectivesConfig, GradientSync
 from lightning_horizon.topology import ProcessGroups, Topology, check_ranks_per_node
 
@@ -60,6 +61,8 @@ class HorizonStrategy(DDPStrategy):
         pin_cores: pin each local rank to its own contiguous slice of cores (inside one NUMA domain where the
             ranks divide the domains) and size its thread pool to it.
         threads_per_rank: intra-op threads per rank; ``None`` uses one per pinned core.
+        sharding: ``None`` (off), ``"auto"`` or a ``ShardingConfig``: recompute activations, planned from the
+            model's own step, so that each rank's peak memory fits a budget. See docs/sharding.md.
         collectives: how gradient buckets are reduced: ``"flat"`` (one allreduce, DDP's behaviour),
             ``"hierarchical"`` (reduce-scatter in the node, slices across nodes, all-gather in the node),
             ``"torus2d"`` (the same on an X x Y grid) or ``"auto"`` (per bucket size, by the cost model).
@@ -93,6 +96,7 @@ class HorizonStrategy(DDPStrategy):
         process_group_backend: Optional[str] = None,
         pin_cores: bool = True,
         threads_per_rank: Optional[int] = None,
+        sharding: Union[None, str, ShardingConfig] = None,
         collectives: str = "flat",
         compression: Optional[str] = None,
         sync_every: int = 1,
@@ -103,6 +107,7 @@ class HorizonStrategy(DDPStrategy):
     ) -> None:
         # Every check runs here, in the Trainer's constructor: before a launcher starts a process or a group.
         check_ranks_per_node(ranks_per_node)
+        self._sharding = resolve_sharding(sharding)
         self.collectives_config = CollectivesConfig(
             algorithm=collectives,
             compression=compression,
@@ -291,6 +296,10 @@ class HorizonStrategy(DDPStrategy):
             # One process: the base Strategy's setup (precision, optimizers) without DDP's wrapping and without
             # DDPStrategy's broadcast of module states, which needs a process group.
             Strategy.setup(self, trainer)
+        if self._sharding is not None and "sharding" not in self._parts:
+            # Plans at the first training_step (the first batch is what it profiles); all ranks of the node
+            # share its memory.
+            self._parts["sharding"] = GraphSharder(self._sharding, self.num_processes, rank=self.global_rank)
         self._restore_parts()
         # Last, so that nothing in setup draws from a restored generator; Lightning's sanity check runs under
         # isolate_rng, so the next draw is the training data iterator's, as in the uninterrupted run.
@@ -313,6 +322,25 @@ class HorizonStrategy(DDPStrategy):
         # A dead or hung peer surfaces as a socket error or a timeout naming no rank: name it.
         if self.placement and self.world_size > 1 and liveness.looks_like_lost_peer(exception):
             log.error(liveness.describe(self.placement, self.global_rank, self._timeout.total_seconds()))
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        sharder = self._parts.get("sharding")
+        if sharder is not None:
+            # At the step boundary: the first call profiles this batch and installs the plan, later ones apply
+            # a pending re-plan. Under the precision's context, so that the profile sees the step's dtypes.
+            batch = args[0] if args else kwargs["batch"]
+            batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+            with self.precision_plugin.train_step_context():
+                sharder.maybe_plan(self.lightning_module, batch, batch_idx)
+        return super().training_step(*args, **kwargs)
+
+    @override
+    def teardown(self) -> None:
+        sharder = self._parts.get("sharding")
+        if sharder is not None:
+            sharder.uninstall()  # the module leaves fit exactly as it came in
+        super().teardown()
 
     # ------------------------------------------------------------------ checkpoint state of the parts
 

@@ -33,9 +33,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from lightning_horizon.collectives import CollectivesConfig, CommAccounting, CostModel, GradientSync, Link
-from lightning_horizon.collectives.comm import Comm
-from lightning_horizon.collectives.probe import probe_links
+from lightning_horizon.collectives import CollectivesConfig, CostModel, GradientSync, Link
+from lightning_horizon.collectives.probe import probe
 from lightning_horizon.topology import ProcessGroups, Topology
 
 WORLD, PER_NODE = 4, 2
@@ -76,15 +75,14 @@ def worker(rank: int, args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=300))
     groups = ProcessGroups(Topology(world_size=WORLD, rank=rank, ranks_per_node=PER_NODE))
-    variants = {name: CollectivesConfig(name) for name in ("flat", "hierarchical", "torus2d")}
+    chunk = {"pipeline_chunk_mb": args.chunk_mb}
+    variants = {name: CollectivesConfig(name, **chunk) for name in ("flat", "hierarchical", "torus2d")}
     if args.with_int8:
-        variants["hierarchical_int8"] = CollectivesConfig("hierarchical", compression="int8")
+        variants["hierarchical_int8"] = CollectivesConfig("hierarchical", compression="int8", **chunk)
     # One parameter per size: the error feedback keeps its residual per parameter.
     params = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(int(mib * MIB) // 4)) for mib in args.sizes])
     syncs = {name: GradientSync(cfg, groups, params) for name, cfg in variants.items()}
-    scratch = CommAccounting()  # the probe's bytes are not an allreduce's
-    links = probe_links(*(Comm(g, r, groups.topology, scratch) for g, r in (
-        (groups.intra, groups.intra_ranks), (groups.inter, groups.inter_ranks), (None, list(range(WORLD))))))
+    links = probe(groups)
     local_zero = rank % PER_NODE == 0
     veth = os.environ.get("GLOO_SOCKET_IFNAME")
     rows = []
@@ -191,7 +189,7 @@ def launch(args: argparse.Namespace, ns: Namespaces | None, out: str) -> dict:
             prefix, extra = ns.command(rank) if ns else ([], {"MASTER_ADDR": "127.0.0.1"})
             env = {**os.environ, "MASTER_PORT": port, "OMP_NUM_THREADS": "1", **extra}
             cmd = [*prefix, sys.executable, __file__, "--worker", str(rank), "--out", out,
-                   "--sizes", ",".join(map(str, args.sizes)), "--reps", str(args.reps)]
+                   "--sizes", ",".join(map(str, args.sizes)), "--reps", str(args.reps), "--chunk-mb", str(args.chunk_mb)]
             if args.with_int8:
                 cmd.append("--with-int8")
             procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
@@ -207,26 +205,26 @@ def launch(args: argparse.Namespace, ns: Namespaces | None, out: str) -> dict:
     return json.loads(Path(out).read_text())
 
 
-def report(title: str, result: dict) -> CostModel:
+def report(title: str, result: dict, chunk_numel: int) -> CostModel:
     links = CostModel.coerce(result["links"])
     print(f"\n== {title}: probed links: {links.describe()}")
     rows = result["rows"]
     names = list(dict.fromkeys(r["algorithm"] for r in rows))
     measured = rows[0]["measured_inter"] is not None
-    head = f"{'MiB':>5} " + " ".join(f"{n + ' ms':>22}" for n in names) + "  " + " ".join(
-        f"{'flat/' + n:>16}" for n in names[1:])
-    print(head)
+    print("median ms per allreduce (slowest rank); time ratios flat / algorithm, measured (cost model)")
+    print(f"{'MiB':>5} " + " ".join(f"{n:>18}" for n in names) + "  " + " ".join(f"{n:>18}" for n in names[1:]))
     for mib in dict.fromkeys(r["mib"] for r in rows):
         t = {n: statistics.median(r["seconds"] for r in rows if r["mib"] == mib and r["algorithm"] == n) for n in names}
-        print(f"{mib:>5g} " + " ".join(f"{t[n] * 1e3:>22.1f}" for n in names) + "  "
-              + " ".join(f"{t['flat'] / t[n]:>16.2f}" for n in names[1:]))
+        m = {n: _predict(links, n, mib, chunk_numel).time for n in names}
+        ratios = [f"{t['flat'] / t[n]:.2f} ({m['flat'] / m[n]:.2f})" for n in names[1:]]
+        print(f"{mib:>5g} " + " ".join(f"{t[n] * 1e3:>18.1f}" for n in names) + "  "
+              + " ".join(f"{r:>18}" for r in ratios))
     print(f"\ninter-node MiB per rank per allreduce: accounted | model" + (" | veth counters" if measured else ""))
     for mib in dict.fromkeys(r["mib"] for r in rows):
         cells = []
         for n in names:
             r = next(r for r in rows if r["mib"] == mib and r["algorithm"] == n)
-            algorithm, compression = (n.split("_") + [None])[:2]
-            model = links.predict(algorithm, int(mib * MIB) // 4, WORLD // PER_NODE, PER_NODE, compression)
+            model = _predict(links, n, mib, chunk_numel)
             cell = f"{r['accounted_inter'] / MIB:.3f} | {model.inter_bytes / MIB:.3f}"
             if measured:
                 cell += f" | {r['measured_inter'] / MIB:.3f}"
@@ -241,20 +239,31 @@ def report(title: str, result: dict) -> CostModel:
     return links
 
 
+def _predict(model: CostModel, variant: str, mib: float, chunk_numel: int):
+    """The cost model's prediction for a bench variant ("flat", "hierarchical_int8", ...) on 2 x 2."""
+    algorithm, compression = (variant.split("_") + [None])[:2]
+    return model.predict(algorithm, int(mib * MIB) // 4, WORLD // PER_NODE, PER_NODE, compression,
+                         chunk_numel=chunk_numel)
+
+
 def predictions(title: str, model: CostModel, mib: float = 8) -> None:
-    numel = int(mib * MIB) // 4
+    numel, chunk = int(mib * MIB) // 4, CollectivesConfig().chunk_numel
     print(f"\n== cost model, {mib:g} MiB bucket, {title}: {model.describe()}")
-    print(f"{'nodes':>6} {'x L':>4} {'flat ms':>9} {'hier ms':>9} {'hier+int8':>10} {'flat/hier':>9}"
-          f" {'inter MiB/rank flat | hier (busiest rank, flat)':>48} {'auto':>13}")
+    print(f"{'nodes':>6} {'x L':>4} {'flat ms':>9} {'hier ms':>9} {'piped ms':>9} {'+int8 ms':>9} {'flat/best':>9}"
+          f"  {'inter MiB/rank flat | hier (flat busiest)':>41}  auto")
     for nodes in (8, 16, 64, 256):
         for per_node in (2, 8):
             f = model.predict("flat", numel, nodes, per_node)
-            h = model.predict("hierarchical", numel, nodes, per_node)
-            q = model.predict("hierarchical", numel, nodes, per_node, compression="int8")
-            choice = model.choose(numel, nodes, per_node, (("flat", nodes * per_node), ("hierarchical", per_node)))
+            h = model.predict("hierarchical", numel, nodes, per_node, chunk_numel=numel)
+            piped = model.predict("hierarchical", numel, nodes, per_node, chunk_numel=chunk)
+            q = min(model.predict("hierarchical", numel, nodes, per_node, compression="int8", chunk_numel=c).time
+                    for c in (numel, chunk))
+            candidates = [("flat", nodes * per_node, numel)] + [("hierarchical", per_node, c) for c in (numel, chunk)]
+            algorithm, _, c = model.choose(numel, nodes, per_node, candidates)
+            auto = algorithm + (f" in {c * 4 / MIB:g} MiB chunks" if algorithm != "flat" and c < numel else "")
             inter = f"{f.inter_bytes / MIB:.3f} | {h.inter_bytes / MIB:.3f} ({f.inter_bytes_max / MIB:.2f})"
-            print(f"{nodes:>6} {per_node:>4} {f.time * 1e3:>9.2f} {h.time * 1e3:>9.2f} {q.time * 1e3:>10.2f}"
-                  f" {f.time / h.time:>9.2f} {inter:>48} {choice[0]:>13}")
+            print(f"{nodes:>6} {per_node:>4} {f.time * 1e3:>9.2f} {h.time * 1e3:>9.2f} {piped.time * 1e3:>9.2f}"
+                  f" {q * 1e3:>9.2f} {f.time / min(h.time, piped.time):>9.2f}  {inter:>41}  {auto}")
 
 
 def main() -> None:
@@ -265,6 +274,8 @@ def main() -> None:
     p.add_argument("--no-netns", action="store_true", help="run on loopback only")
     p.add_argument("--no-shape", action="store_true", help="skip the rate-limited run")
     p.add_argument("--with-int8", action="store_true", help="add hierarchical with int8 compression")
+    p.add_argument("--chunk-mb", type=float, default=CollectivesConfig().pipeline_chunk_mb,
+                   help="pipeline chunk of the two-level algorithms (MiB)")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -276,14 +287,15 @@ def main() -> None:
     if not args.no_netns and not netns:
         print("not root or no iproute2: all ranks on loopback, no interface counters")
     tmp = tempfile.mkdtemp(prefix="bench_collectives_")
+    chunk = CollectivesConfig(pipeline_chunk_mb=args.chunk_mb).chunk_numel
     probed = None
     if netns:
         with Namespaces() as ns:
-            probed = report("2 namespaces joined by veth, unshaped", launch(args, ns, f"{tmp}/plain.json"))
+            probed = report("2 namespaces joined by veth, unshaped", launch(args, ns, f"{tmp}/plain.json"), chunk)
             if not args.no_shape and ns.shape(args.rate):
-                probed = report(f"veth rate-limited by tbf to {args.rate}", launch(args, ns, f"{tmp}/tbf.json"))
+                probed = report(f"veth rate-limited by tbf to {args.rate}", launch(args, ns, f"{tmp}/tbf.json"), chunk)
     else:
-        probed = report("loopback", launch(args, None, f"{tmp}/plain.json"))
+        probed = report("loopback", launch(args, None, f"{tmp}/plain.json"), chunk)
     predictions("links probed here", probed)
     predictions("reference cluster (25 Gbit/s Ethernet)", CLUSTER)
     shutil.rmtree(tmp, ignore_errors=True)

@@ -152,7 +152,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6, help="timed steps per config and round")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="1 is steadier on a shared machine")
     ap.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -173,14 +173,16 @@ def main() -> None:
     n_params = results[base_name][-1].params
     print(f"\nGPT {n_params / 1e6:.2f}M params, batch {args.batch} x {args.seq} tokens, AdamW; ratios against "
           f"{base_name!r}; bytes/param held after a step (weights + master/comp + grads + optimizer state)")
-    print(f"{'config':40s} {'tok/s':>8s} {'ratio':>6s} {'peakRSS MB':>10s}  {'w':>4s} {'m':>4s} {'g':>4s} "
-          f"{'s':>4s} {'B/param':>7s} {'analytic':>8s} {'vs fp32':>7s}")
+    print(f"{'config':40s} {'tok/s':>8s} {'ratio':>6s} {'spread':>6s} {'peakRSS MB':>10s}  {'w':>4s} {'m':>4s} "
+          f"{'g':>4s} {'s':>4s} {'B/param':>7s} {'analytic':>8s} {'vs fp32':>7s}")
     for name, probes in results.items():
         held = probes[-1].held
         per = {k: v / n_params for k, v in held.items()}
         analytic = bytes_per_param(*ANALYTIC[name])["total"] if name in ANALYTIC else float("nan")
         peak = statistics.median(p.peak for p in probes) / 2**20
-        print(f"{name:40s} {speed[name]:8.0f} {speed[name] / speed[base_name]:6.2f} {peak:10.0f}  "
+        rounds = [statistics.median(p.times) for p in probes]  # (max - min) / median of the per-round medians
+        spread = (max(rounds) - min(rounds)) / statistics.median(rounds)
+        print(f"{name:40s} {speed[name]:8.0f} {speed[name] / speed[base_name]:6.2f} {spread:6.0%} {peak:10.0f}  "
               f"{per['weights']:4.1f} {per['master']:4.1f} {per['grads']:4.1f} {per['state']:4.1f} "
               f"{per['total']:7.2f} {analytic:8d} {held['total'] / fp32_bytes:7.1%}")
 

@@ -16,6 +16,7 @@ split, so validation samples the whole corpus rather than the last few packages 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import sysconfig
@@ -25,7 +26,7 @@ from typing import Optional
 import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 VOCAB_SIZE = 256  # byte-level
 _SEPARATOR = b"\n\n"  # between files: Python sources already end paragraphs with blank lines
@@ -108,6 +109,23 @@ class WindowDataset(Dataset):
         return w[:-1], w[1:]
 
 
+class ResumableSampler(DistributedSampler):
+    """torch's DistributedSampler (seeded shuffle per epoch, one slice per rank) that can start an epoch part-way.
+
+    Resuming from a mid-epoch checkpoint must continue the epoch, not replay its first batches: the data module
+    saves how many batches the epoch had consumed, and this sampler skips them in that epoch only. Lightning keeps
+    a DistributedSampler it is given (it wraps anything else), so one class serves one process and many.
+    """
+
+    def __init__(self, dataset: Dataset, num_replicas: int, rank: int, seed: int) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True)
+        self.skip_epoch, self.skip = -1, 0
+
+    def __iter__(self):  # type: ignore[override]
+        it = super().__iter__()
+        return itertools.islice(it, self.skip, None) if self.epoch == self.skip_epoch else it
+
+
 def split_windows(n_tokens: int, seq_len: int, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Start offsets of the train and validation windows (deterministic in ``seed``)."""
     n_windows = (n_tokens - 1) // seq_len
@@ -135,7 +153,7 @@ class ByteCorpusDataModule(L.LightningDataModule):
         seq_len: tokens per training sequence (the model's ``block_size`` or less).
         batch_size: sequences per batch, per rank.
         val_fraction: share of the ~64 KiB chunks held out for validation, in [0, 0.5].
-        seed: seed of the train/val split (the training order follows the trainer's ``seed_everything``).
+        seed: seed of the train/val split and of the training order (reshuffled each epoch from it).
         num_workers: DataLoader worker processes; 0 reads in the training process (the memory map makes it cheap).
     """
 
@@ -167,15 +185,18 @@ class ByteCorpusDataModule(L.LightningDataModule):
         self.meta: dict = {}
         self.train_set: Optional[WindowDataset] = None
         self.val_set: Optional[WindowDataset] = None
+        self._built: Optional[tuple[Path, dict]] = None
+        self._resume: dict = {}
 
     def prepare_data(self) -> None:
         # local rank 0 only (Lightning's contract): the one place that writes the cache
-        build_token_file(self.corpus, self.cache_dir, self.max_bytes)
+        self._built = build_token_file(self.corpus, self.cache_dir, self.max_bytes)
 
     def setup(self, stage: str) -> None:
         if self.train_set is not None:
             return
-        path, self.meta = build_token_file(self.corpus, self.cache_dir, self.max_bytes)  # found, not rebuilt
+        # the other ranks find the file rank 0 wrote (Lightning barriers between prepare_data and setup)
+        path, self.meta = self._built or build_token_file(self.corpus, self.cache_dir, self.max_bytes)
         tokens = np.memmap(path, dtype=np.uint8, mode="r")
         train, val = split_windows(len(tokens), self.seq_len, self.val_fraction, self.seed)
         self.train_set = WindowDataset(tokens, train, self.seq_len)
@@ -183,9 +204,23 @@ class ByteCorpusDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         assert self.train_set is not None
+        world, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer is not None else (1, 0)
+        sampler = ResumableSampler(self.train_set, world, rank, self.seed)
+        if self._resume:
+            sampler.skip_epoch, sampler.skip = self._resume["epoch"], self._resume["batches"] * self.batch_size
         # drop_last: every step sees the same batch shape (throughput and MFU figures stay comparable)
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True,
+        return DataLoader(self.train_set, batch_size=self.batch_size, sampler=sampler, drop_last=True,
                           num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
+
+    def state_dict(self) -> dict:
+        # saved in every checkpoint: where in which epoch the training order stands (batches per rank)
+        if self.trainer is None:
+            return {}
+        progress = self.trainer.fit_loop.epoch_loop.batch_progress.current
+        return {"epoch": self.trainer.current_epoch, "batches": progress.processed}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._resume = dict(state_dict)
 
     def val_dataloader(self) -> DataLoader:
         assert self.val_set is not None

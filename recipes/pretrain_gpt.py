@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpt.py, lm_data.py, 
 import lightning as L
 import torch
 import torch.nn.functional as F
+from jsonargparse import Namespace
 from lightning.fabric.utilities.throughput import measure_flops
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
@@ -203,8 +204,6 @@ class HorizonCLI(LightningCLI):
         if cfg.checkpoint.dirpath is None:
             cfg.checkpoint.dirpath = os.path.join(root, "checkpoints")
         if cfg.trainer.logger in (None, True):
-            from jsonargparse import Namespace
-
             cfg.trainer.logger = Namespace(class_path="lightning.pytorch.loggers.CSVLogger",
                                            init_args=Namespace(save_dir=root, name="logs"))
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import lightning as L
 import pytest
@@ -135,12 +134,15 @@ def test_auto_choice_follows_the_crossover_on_given_constants():
     # Same constants on both link classes (loopback "nodes"): hierarchical has fewer latency terms (4 vs 6 on
     # 2 x 2) and 4/3 of the bytes, so it wins below about 4 alpha / (0.5 beta) bytes and flat above.
     same = CostModel.coerce({"intra": (1e-6, 1e-9), "inter": (1e-6, 1e-9)})
-    candidates = (("flat", 4), ("hierarchical", 2))
-    assert same.choose(416, 2, 2, candidates)[0] == "hierarchical"
-    assert same.choose(3135, 2, 2, candidates)[0] == "flat"
-    # A slow inter-node link: hierarchical for every size on 2 x 8, and flat's busiest rank carries 8x the bytes.
+    for numel, best in ((416, "hierarchical"), (3135, "flat")):
+        assert same.choose(numel, 2, 2, [("flat", 4, numel), ("hierarchical", 2, numel)])[0] == best
+    # A slow inter-node link: hierarchical for every size on 2 x 8.
     for numel in (1 << 10, 1 << 16, 1 << 22):
-        assert LAN.choose(numel, 2, 8, (("flat", 16), ("hierarchical", 8)))[0] == "hierarchical"
+        assert LAN.choose(numel, 2, 8, [("flat", 16, numel), ("hierarchical", 8, numel)])[0] == "hierarchical"
+    # Pipelining pays each stage's latency once per chunk: worth it on 2 nodes, not across 256 of them.
+    numel, chunk = 1 << 21, 1 << 19
+    assert LAN.choose(numel, 2, 8, [("hierarchical", 8, numel), ("hierarchical", 8, chunk)])[2] == chunk
+    assert LAN.choose(numel, 256, 2, [("hierarchical", 2, numel), ("hierarchical", 2, chunk)])[2] == numel
 
 
 # ---------------------------------------------------------------------- codecs and error feedback
@@ -200,12 +202,13 @@ def test_error_feedback_follows_parameters_across_a_bucket_rebuild():
 
 # ---------------------------------------------------------------------- raw DDP, 4 ranks (one launch)
 
-_PARITY = ["flat", "hierarchical", "torus2d", "auto"]
-_COMPRESSED = ["flat_int8", "hierarchical_int8", "torus2d_bf16"]
+_PARITY = ["flat", "hierarchical", "torus2d", "auto", "hierarchical_chunked"]
+_COMPRESSED = ["flat_int8", "hierarchical_int8", "torus2d_bf16", "hierarchical_int8_chunked"]
 DDP_CHECKS = (
     [f"{kind}_equal_{v}" for v in _PARITY for kind in ("parity", "bitwise", "accounting")]
     + [f"{kind}_equal_{v}" for v in _COMPRESSED for kind in ("error_feedback", "bitwise", "accounting")]
-    + [f"{kind}_odd_{v}" for v in ("hierarchical", "torus2d", "auto") for kind in ("parity", "bitwise", "accounting")]
+    + [f"{kind}_odd_{v}" for v in ("hierarchical", "torus2d", "auto", "hierarchical_chunked")
+       for kind in ("parity", "bitwise", "accounting")]
     + [f"{kind}_odd_hierarchical_int8" for kind in ("error_feedback", "bitwise", "accounting")]
     + ["auto_choices_odd", "trajectory_hierarchical", "trajectory_torus2d"]
     + ["compressed_training_hierarchical_int8", "compressed_training_flat_bf16"]

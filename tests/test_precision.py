@@ -404,3 +404,36 @@ def test_ipex_mismatch_or_absence_falls_back_with_a_message(monkeypatch):
     trainer(HorizonPrecision(backend="auto"), steps=2).fit(model, loader(16))
     assert len(calls) == 1 and calls[0]["weights_prepack"] is True and "dtype" not in calls[0]
     assert len(model.losses) == 2
+
+
+# ------------------------------------------------------------------------------------------------ DDP
+
+DDP_SCRIPT = """
+import sys, torch, lightning.pytorch as L
+from tests.test_precision import TinyLM, loader, MODES
+from lightning_horizon.precision import HorizonPrecision
+torch.set_num_threads(1)
+out = {}
+for name in ("true-kahan", "true-kahan-c32", "true-fp32-c32"):
+    model, plugin = TinyLM(), HorizonPrecision(**MODES[name])
+    tr = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=4, logger=False, enable_progress_bar=False,
+                   enable_model_summary=False, enable_checkpointing=False, plugins=[plugin])
+    tr.fit(model, loader(64))
+    out[name] = [*model.state_dict().values(), *plugin._comp.values(), *plugin._masters.values()]
+torch.save(out, sys.argv[1] + f".rank{tr.global_rank}")
+tr.strategy.barrier()  # rank 0 must not exit (and the launcher reap rank 1) before rank 1 has saved
+"""
+
+
+def test_ddp_ranks_stay_identical(tmp_path):
+    """2 gloo ranks: grads all-reduced every step (a param whose dtype changes loses DDP's hooks) -> equal ranks."""
+    from tests.launch import run_script
+
+    script = tmp_path / "ddp_precision.py"
+    script.write_text(DDP_SCRIPT)
+    run_script(script, [tmp_path / "out"], timeout=180, env={"OMP_NUM_THREADS": "1"})
+    ranks = [torch.load(tmp_path / f"out.rank{r}") for r in (0, 1)]
+    for name in ranks[0]:
+        assert len(ranks[0][name]) > 7
+        for a, b in zip(ranks[0][name], ranks[1][name]):
+            assert torch.equal(a, b), name

@@ -1,8 +1,8 @@
 """Per-step communication accounting: bytes this rank sent per link class, and time spent communicating.
 
-The byte counts follow the algorithm gloo runs for each call (ring allreduce: 2(g-1)/g of the tensor to the
-ring neighbour; ring allgather: (g-1)/g of the output; pairwise all-to-all: 1/g to each peer), each transfer
-classified by whether its peer is on this rank's node. They are what the application asks the wire to carry,
+The byte counts follow the algorithm each call runs (gloo's ring allreduce: 2(g-1)/g of the tensor to the ring
+neighbour; all-to-all as paired isend/irecv: 1/g of the input to each peer; all-gather likewise: the input to
+each peer), each transfer classified by whether its peer is on this rank's node. They are what the application asks the wire to carry,
 without TCP/IP headers; recipes/bench_collectives.py checks them against the interface counters.
 """
 
@@ -36,15 +36,15 @@ class CommAccounting:
         self.total = Counters()
         self.steps = 0
 
-    def record(self, intra_bytes: float, inter_bytes: float, seconds: float) -> None:
+    def record(self, intra_bytes: float, inter_bytes: float) -> None:
+        """One collective issued by this rank."""
         c = self.current
         c.intra_bytes += intra_bytes
         c.inter_bytes += inter_bytes
-        c.seconds += seconds
         c.calls += 1
 
     def add_seconds(self, seconds: float) -> None:
-        """Time of a collective that completed after it was recorded (an overlapped flat allreduce)."""
+        """Wall time of one reduction (a hook call, a parameter average), from its start to its completion."""
         self.current.seconds += seconds
 
     def end_step(self) -> Counters:

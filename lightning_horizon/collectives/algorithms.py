@@ -1,8 +1,13 @@
-"""The allreduce algorithms, on one flat fp32 tensor: flat, and two-level (hierarchical / 2D torus).
+"""The allreduce algorithms, in place on one flat fp32 tensor: flat, and two-level (hierarchical / 2D torus).
 
-Both return the *sum* over the world (the hook divides) and, when compressing, what this rank's encodings lost
-in the tensor's layout (the error feedback's new residual). Each collective blocks before the next is issued,
-from the caller's thread: no collective ever runs from a ``Future.then`` callback.
+Each leaves the world's sum divided by ``divisor`` in the tensor and returns, when compressing, what this rank's
+encodings lost in the tensor's layout (the error feedback's new residual, in units of the sum). Every collective
+is issued from the caller's thread, in an order that depends only on the tensor's size, so it is the same on
+every rank; the works a pipeline leaves running are waited for by that same thread. No collective ever runs
+from a ``Future.then`` callback.
+
+In place, because a fresh bucket-sized tensor per call costs page faults: with glibc malloc, a 64 MiB
+allocation is an mmap that is returned on free, and copying a bucket into a new one took as long as sending it.
 """
 
 from __future__ import annotations
@@ -14,37 +19,58 @@ import torch.nn.functional as F
 
 from lightning_horizon.collectives.comm import Comm
 from lightning_horizon.collectives.compression import Codec, compressed_allreduce
-from lightning_horizon.collectives.cost_model import round_up
+from lightning_horizon.collectives.cost_model import chunk_sizes
 
 
-def flat(x: torch.Tensor, world: Comm, codec: Optional[Codec]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def flat(x: torch.Tensor, world: Comm, codec: Optional[Codec], divisor: int) -> Optional[torch.Tensor]:
     """One allreduce over the world (compressed: all-to-all, fp32 sum, all-gather)."""
     if codec is None or world.size == 1:
-        return world.allreduce(x), None
-    return compressed_allreduce(x, world, codec)
+        world.allreduce(x)
+        x.div_(divisor)
+        return None
+    out, error = compressed_allreduce(x, world, codec)
+    x.copy_(out).div_(divisor)
+    return error
 
 
 def two_level(
-    x: torch.Tensor, row: Comm, col: Comm, codec: Optional[Codec]
-) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    x: torch.Tensor, row: Comm, col: Comm, codec: Optional[Codec], chunk_numel: int, divisor: int
+) -> Optional[torch.Tensor]:
     """Reduce-scatter along the row, allreduce each slice along the column, all-gather along the row.
 
-    With rows = nodes (``hierarchical``, or ``torus2d`` with X = ranks per node) the column stage is the only
-    one that crosses nodes, and every local rank runs it on its own 1/L slice, in parallel: each node sends
-    2(N-1)/N of the bucket in total, where a flat ring sends 2(P-1)/P of it through each node's link.
-    Only the column stage is compressed.
+    With rows = nodes (``hierarchical``, or ``torus2d`` with X = ranks per node) only the column stage crosses
+    nodes, and every local rank runs it on its own 1/L slice, in parallel: a node sends 2(N-1)/N of the bucket
+    in total, where a flat ring pushes 2(P-1)/P of it through one rank's link. Only the column stage is
+    compressed.
+
+    The tensor goes through in chunks of about ``chunk_numel`` elements, pipelined: while chunk k crosses the
+    column (the slow link), the row reduce-scatters chunk k+1 and all-gathers chunk k-1. Row and column are
+    different process groups, so their collectives run side by side. Chunk k's all-gather writes over chunk k
+    of the input, which its reduce-scatter has finished reading; chunk k+1, being read, is elsewhere.
     """
     n = x.numel()
-    padded = F.pad(x, (0, round_up(n, row.size) - n))
-    mine = row.reduce_scatter(padded)
-    error = None
-    if codec is not None and col.size > 1:
-        mine, slice_error = compressed_allreduce(mine, col, codec)
-        error = torch.zeros_like(padded)
-        m = mine.numel()
-        error[row.index * m : (row.index + 1) * m] = slice_error
-    else:
-        col.allreduce(mine)
-    out = torch.empty_like(padded)
-    row.all_gather(out, mine)
-    return out[:n], (error[:n] if error is not None else None)
+    sizes = chunk_sizes(n, row.size, chunk_numel)
+    work = x if sum(sizes) == n else F.pad(x, (0, sum(sizes) - n))
+    pieces = work.split(sizes)
+    error = torch.zeros_like(work) if codec is not None and col.size > 1 else None
+    gathers, slices = [], []  # running all-gathers, and the slices they send (alive until waited)
+    started = row.reduce_scatter_start(pieces[0])
+    for k in range(len(sizes)):
+        mine = row.reduce_scatter_finish(started)
+        if k + 1 < len(sizes):
+            started = row.reduce_scatter_start(pieces[k + 1])  # runs while chunk k crosses the column
+        if error is not None:
+            mine, slice_error = compressed_allreduce(mine, col, codec)
+            m, offset = mine.numel(), sum(sizes[:k])
+            error[offset + row.index * m : offset + (row.index + 1) * m] = slice_error
+        else:
+            col.allreduce(mine)
+        mine.div_(divisor)
+        slices.append(mine)
+        gathers.append(row.all_gather(pieces[k], mine, async_op=True))
+    for pending in gathers:
+        if pending is not None:
+            pending.wait()
+    if work is not x:
+        x.copy_(work[:n])
+    return error[:n] if error is not None else None

@@ -49,6 +49,10 @@ class CollectivesConfig:
     int8_block: int = 256
     """Elements per int8 scale: smaller blocks follow the gradient's range more closely, at 4 bytes per block."""
 
+    pipeline_chunk_mb: float = 2.0
+    """Two-level reductions cut a bucket into chunks of this many MiB and pipeline them: the intra-node stages
+    of one chunk run while another crosses the nodes. Smaller chunks overlap more and pay more latency."""
+
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"collectives={self.algorithm!r}: allowed are {ALGORITHMS}")
@@ -57,6 +61,9 @@ class CollectivesConfig:
         _positive_int("sync_every", self.sync_every, minimum=1)
         _positive_int("sync_warmup_steps", self.sync_warmup_steps, minimum=0)
         _positive_int("int8_block", self.int8_block, minimum=1)
+        chunk = self.pipeline_chunk_mb
+        if isinstance(chunk, bool) or not isinstance(chunk, (int, float)) or not chunk > 0:
+            raise ValueError(f"pipeline_chunk_mb={chunk!r}: must be a number > 0 (MiB)")
         if self.sync_every > 1 and self.compression is not None:
             raise ValueError(
                 f"compression={self.compression!r} with sync_every={self.sync_every}: compression applies to the"
@@ -94,6 +101,11 @@ class CollectivesConfig:
                 f" allowed are {pairs}"
             )
         return x, y
+
+    @property
+    def chunk_numel(self) -> int:
+        """``pipeline_chunk_mb`` in fp32 elements."""
+        return max(1, int(self.pipeline_chunk_mb * 2**20) // 4)
 
 
 def _positive_int(name: str, value: Any, minimum: int) -> None:

@@ -8,9 +8,11 @@ Two layers:
 
 * textbook closed forms on one link class (ring, recursive doubling, Rabenseifner, binomial tree), for reasoning
   and for checking crossovers;
-* a round-by-round simulation of the collectives *as gloo runs them* (ring allreduce, ring allgather, pairwise
-  all-to-all) on a real placement of ``nodes x ranks_per_node`` ranks. :func:`plan` lists the stages each of our
-  algorithms issues, with the same padding the hooks apply, so the model's byte counts are the hooks' byte counts.
+* a round-by-round simulation of the collectives *as they run here* (gloo's ring allreduce; all-to-all and
+  all-gather as pairwise isend/irecv) on a real placement of ``nodes x ranks_per_node`` ranks. :func:`plan` lists the stages each of our
+  algorithms issues, with the same chunking and padding the hooks apply, so the model's byte counts are the
+  hooks' byte counts. A pipelined two-level reduction overlaps the row stages of one chunk with the column
+  stage of another: after the first chunk, each chunk costs the slower of its row and column work.
 """
 
 from __future__ import annotations
@@ -76,19 +78,31 @@ class CostModel:
         compression: Optional[str] = None,
         torus_cols: Optional[int] = None,
         int8_block: int = 256,
+        chunk_numel: Optional[int] = None,
     ) -> "Prediction":
-        """Time and bytes per rank of one allreduce of ``numel`` fp32 elements by ``algorithm``."""
+        """Time and bytes per rank of one allreduce of ``numel`` fp32 elements by ``algorithm``, pipelined in
+        chunks of ``chunk_numel`` elements (``None``: one piece)."""
         world = nodes * ranks_per_node
         cols = {"flat": world, "hierarchical": ranks_per_node, "torus2d": torus_cols or ranks_per_node}[algorithm]
         time, intra, inter = 0.0, np.zeros(world), np.zeros(world)
-        for kind, axis, nbytes in plan(algorithm, numel, world, cols, compression, int8_block):
-            t, a, e = self._stage(kind, _groups(axis, world, cols), nbytes, ranks_per_node)
-            time, intra, inter = time + t, intra + a, inter + e
+        for k, stages in enumerate(plan(algorithm, numel, world, cols, compression, int8_block, chunk_numel)):
+            t_row = t_col = 0.0
+            for kind, axis, nbytes in stages:
+                t, a, e = self._stage(kind, _groups(axis, world, cols), nbytes, ranks_per_node)
+                intra, inter = intra + a, inter + e
+                if axis == "row":
+                    t_row += t
+                else:
+                    t_col += t
+            time += t_row + t_col if k == 0 else max(t_row, t_col)
         return Prediction(algorithm, time, float(intra.mean()), float(inter.mean()), float(inter.max()))
 
-    def choose(self, numel: int, nodes: int, ranks_per_node: int, candidates: tuple[tuple[str, int], ...], **kw: Any):
-        """The ``(algorithm, torus_cols)`` of ``candidates`` with the lowest predicted time (first on a tie)."""
-        times = [self.predict(a, numel, nodes, ranks_per_node, torus_cols=c, **kw).time for a, c in candidates]
+    def choose(self, numel: int, nodes: int, ranks_per_node: int, candidates: list[tuple[str, int, int]], **kw: Any):
+        """The ``(algorithm, torus_cols, chunk_numel)`` of ``candidates`` predicted fastest (first on a tie)."""
+        times = [
+            self.predict(a, numel, nodes, ranks_per_node, torus_cols=cols, chunk_numel=chunk, **kw).time
+            for a, cols, chunk in candidates
+        ]
         return candidates[int(np.argmin(times))]
 
     def _stage(self, kind: str, groups: list[list[int]], nbytes: float, ranks_per_node: int):
@@ -99,12 +113,10 @@ class CostModel:
         if size == 1:
             return 0.0, intra, inter
         members = np.array(groups)  # [groups, size]: global ranks in group order
-        if kind == "allreduce":  # ring: reduce-scatter then allgather, 2(g-1) rounds of n/g to the right
+        if kind == "allreduce":  # gloo's ring: reduce-scatter then allgather, 2(g-1) rounds of n/g to the right
             rounds = [(1, nbytes / size, 2 * (size - 1))]
-        elif kind == "allgather":  # ring: g-1 rounds of n_out/g to the right
-            rounds = [(1, nbytes / size, size - 1)]
-        elif kind == "alltoall":  # pairwise: round i sends the n/g block for rank (j + i) % g
-            rounds = [(i, nbytes / size, 1) for i in range(1, size)]
+        elif kind in ("alltoall", "allgather"):  # pairwise: member j sends n/g to member (j + i) % g in round i
+            rounds = [(i, nbytes / size, 1) for i in range(1, size)]  # (all-gather: n is the output's size)
         else:
             raise ValueError(f"kind={kind!r}: allowed are 'allreduce', 'allgather', 'alltoall'")
         time = 0.0
@@ -149,32 +161,48 @@ def payload_bytes(numel: int, compression: Optional[str], int8_block: int) -> in
     return numel + FP32 * (numel // int8_block)  # int8 values, then one fp32 scale per block
 
 
-def plan(algorithm: str, numel: int, world: int, cols: int, compression: Optional[str], int8_block: int = 256):
-    """The stages ``(kind, axis, bytes per rank)`` the hook issues for one bucket, padding included.
+def chunk_sizes(numel: int, row_size: int, chunk_numel: int) -> list[int]:
+    """How a two-level reduction cuts ``numel`` elements: chunks of ``chunk_numel`` rounded up to a multiple of
+    the row, the last one shorter and padded to a multiple of the row."""
+    padded = round_up(numel, row_size)
+    chunk = round_up(max(chunk_numel, 1), row_size)
+    full, rest = divmod(padded, chunk)
+    return [chunk] * full + ([rest] if rest else [])
 
-    ``axis`` is ``"world"``, ``"row"`` (``cols`` consecutive ranks) or ``"col"`` (stride ``cols``). A flat bucket
-    is the two-level case with one row of ``world`` ranks; its compressed allreduce is an all-to-all of the
-    encoded chunks, a sum in fp32, and an all-gather of the re-encoded sums.
+
+def plan(
+    algorithm: str,
+    numel: int,
+    world: int,
+    cols: int,
+    compression: Optional[str],
+    int8_block: int = 256,
+    chunk_numel: Optional[int] = None,
+) -> list[list[tuple[str, str, float]]]:
+    """Per pipelined chunk, the stages ``(kind, axis, bytes per rank)`` the hook issues, padding included.
+
+    ``axis`` is ``"world"``, ``"row"`` (``cols`` consecutive ranks) or ``"col"`` (stride ``cols``). A compressed
+    allreduce is an all-to-all of the encoded chunks, a sum in fp32, and an all-gather of the re-encoded sums.
     """
     if algorithm == "flat":
-        cols = world
-    rows = world // cols
-    padded = round_up(numel, cols)
-    slice_numel = padded // cols  # what each rank of a row owns after the row's reduce-scatter
-    # Stage 1: the row's reduce-scatter (an all-to-all plus a local sum: gloo's own is a full allreduce).
-    stages = [] if algorithm == "flat" else [("alltoall", "row", FP32 * padded)]
-    across, group = ("world", world) if algorithm == "flat" else ("col", rows)
-    data = numel if algorithm == "flat" else slice_numel
+        return [_across("world", world, numel, compression, int8_block)]
+    chunks = []
+    for size in chunk_sizes(numel, cols, chunk_numel or numel):
+        # The row's reduce-scatter is an all-to-all plus a local sum (gloo's own is a full allreduce).
+        stages = [("alltoall", "row", FP32 * size)]
+        stages += _across("col", world // cols, size // cols, compression, int8_block)
+        stages.append(("allgather", "row", FP32 * size))
+        chunks.append(stages)
+    return chunks
+
+
+def _across(axis: str, group: int, numel: int, compression: Optional[str], int8_block: int):
     if compression is None:
-        stages.append(("allreduce", across, FP32 * data))
-    else:
-        block = int8_block if compression == "int8" else 1
-        chunk = round_up(data, group * block) // group
-        wire = group * payload_bytes(chunk, compression, int8_block)
-        stages += [("alltoall", across, wire), ("allgather", across, wire)]
-    if algorithm != "flat":
-        stages.append(("allgather", "row", FP32 * padded))
-    return stages
+        return [("allreduce", axis, FP32 * numel)]
+    block = int8_block if compression == "int8" else 1
+    chunk = round_up(numel, group * block) // group
+    wire = group * payload_bytes(chunk, compression, int8_block)
+    return [("alltoall", axis, wire), ("allgather", axis, wire)]
 
 
 def _groups(axis: str, world: int, cols: int) -> list[list[int]]:

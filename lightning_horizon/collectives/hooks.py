@@ -3,9 +3,9 @@
 ``GradientSync`` is built on every rank at the same point (it may create process groups and, for ``auto``,
 probe the links, both collective), registered with ``ddp.register_comm_hook(sync, sync.hook)``, and called by
 DDP once per bucket, in bucket order, on the thread that runs backward. All collectives of a bucket are issued
-from there, one after another; the hook returns an already-completed Future. The one exception is the plain
-flat allreduce, which, like DDP's own hook, returns the allreduce's Future so that it overlaps with backward:
-its continuation only divides, it never issues a collective.
+from there, in a fixed order, and have completed when the hook returns its already-completed Future. The one
+exception is the plain flat allreduce, which, like DDP's own hook, returns the allreduce's Future so that it
+overlaps with backward: its continuation only records a time, it never issues a collective.
 
 The object is also a strategy "part": ``after_optimizer_step`` closes the accounting of the step (and runs
 the periodic parameter average), ``state_dict``/``load_state_dict`` carry the error-feedback residuals and the
@@ -26,7 +26,7 @@ from lightning_horizon.collectives.compression import Codec, ErrorFeedback
 from lightning_horizon.collectives.config import CollectivesConfig
 from lightning_horizon.collectives.cost_model import CostModel
 from lightning_horizon.collectives.local_sgd import PeriodicSync
-from lightning_horizon.collectives.probe import probe_links
+from lightning_horizon.collectives.probe import probe
 from lightning_horizon.topology import ProcessGroups
 
 log = logging.getLogger(__name__)
@@ -43,8 +43,8 @@ class GradientSync:
         self.accounting = CommAccounting()
         world, per_node = topo.world_size, topo.ranks_per_node
 
-        def comm(group: Optional[dist.ProcessGroup], ranks: list[int], accounting=self.accounting) -> Comm:
-            return Comm(group, ranks, topo, accounting)
+        def comm(group: Optional[dist.ProcessGroup], ranks: list[int]) -> Comm:
+            return Comm(group, ranks, topo, self.accounting)
 
         self.world = comm(None, list(range(world)))
         self.intra = comm(groups.intra, groups.intra_ranks)
@@ -66,17 +66,12 @@ class GradientSync:
         self._overlapped_seconds: list[float] = []  # appended by flat allreduce continuations (worker threads)
 
         self.cost_model: Optional[CostModel] = None
-        self._choices: dict[int, str] = {}
+        self._choices: dict[int, tuple[str, int]] = {}
         if config.algorithm == "auto":
             self.cost_model = config.cost_model
             source = "given"
             if self.cost_model is None:
-                scratch = CommAccounting()  # the probe's traffic is not a training step's
-                self.cost_model = probe_links(
-                    comm(groups.intra, groups.intra_ranks, scratch),
-                    comm(groups.inter, groups.inter_ranks, scratch),
-                    comm(None, list(range(world)), scratch),
-                )
+                self.cost_model = probe(groups)
                 source = "probed"
             self._info(f"collectives auto: {source} links: {self.cost_model.describe()}")
         self._info(
@@ -94,22 +89,30 @@ class GradientSync:
             return local_sgd_hook
         return HOOKS[self.config.algorithm]
 
-    def algorithm_for(self, numel: int) -> str:
-        """The algorithm a bucket of ``numel`` elements takes (``auto``: by the cost model, cached per size)."""
+    def plan_for(self, numel: int) -> tuple[str, int]:
+        """``(algorithm, pipeline chunk in elements)`` for a bucket of ``numel`` elements.
+
+        ``auto`` asks the cost model, once per bucket size; it may also leave a bucket in one piece, since every
+        chunk pays every stage's latency again (a ring across 256 nodes has 510 steps).
+        """
+        chunk = self.config.chunk_numel
         if self.config.algorithm != "auto":
-            return self.config.algorithm
+            return self.config.algorithm, chunk
         if numel not in self._choices:
             topo = self.topology
-            candidates = [("flat", topo.world_size), ("hierarchical", topo.ranks_per_node)]
+            two_level = [("hierarchical", topo.ranks_per_node)]
             if self.torus_cols not in (topo.ranks_per_node, topo.world_size):
-                candidates.append(("torus2d", self.torus_cols))
+                two_level.append(("torus2d", self.torus_cols))
+            candidates = [("flat", topo.world_size, numel)]
+            candidates += [(a, cols, c) for a, cols in two_level for c in dict.fromkeys((chunk, numel))]
             assert self.cost_model is not None
-            choice = self.cost_model.choose(
-                numel, topo.num_nodes, topo.ranks_per_node, tuple(candidates),
+            algorithm, _, chunk = self.cost_model.choose(
+                numel, topo.num_nodes, topo.ranks_per_node, candidates,
                 compression=self.config.compression, int8_block=self.config.int8_block,
-            )[0]
-            self._choices[numel] = choice
-            self._info(f"collectives auto: buckets of {numel * 4 / 2**20:.3f} MiB -> {choice}")
+            )
+            self._choices[numel] = (algorithm, chunk)
+            pieces = f" in chunks of {chunk * 4 / 2**20:.3f} MiB" if algorithm != "flat" and chunk < numel else ""
+            self._info(f"collectives auto: buckets of {numel * 4 / 2**20:.3f} MiB -> {algorithm}{pieces}")
         return self._choices[numel]
 
     def reduce(self, bucket: dist.GradBucket) -> torch.futures.Future:
@@ -118,28 +121,36 @@ class GradientSync:
         if self.periodic is not None:
             self.periodic.gradients_reduced()
             if not self.periodic.global_gradients:
-                self.intra.allreduce(buf).div_(self.intra.size)
+                start = time.perf_counter()
+                self.intra.allreduce(buf)
+                buf.div_(self.intra.size)
+                self.accounting.add_seconds(time.perf_counter() - start)
                 return _completed(buf)
-        algorithm = self.algorithm_for(buf.numel())
+        algorithm, chunk = self.plan_for(buf.numel())
         if algorithm == "flat" and self.codec is None:
             return self._flat_overlapped(buf)
-        x = buf
+        start = time.perf_counter()
+        world_size = self.topology.world_size
         if self.error_feedback is not None:
             residual = self.error_feedback.gather(bucket)
-            x = buf if residual is None else buf + residual
+            if residual is not None:
+                buf.add_(residual)  # the buffer is overwritten by the result anyway
         if algorithm == "flat":
-            out, error = algorithms.flat(x, self.world, self.codec)
+            error = algorithms.flat(buf, self.world, self.codec, world_size)
         else:
             row, col = (self.intra, self.inter) if algorithm == "hierarchical" else (self.row, self.col)
-            out, error = algorithms.two_level(x, row, col, self.codec)
+            error = algorithms.two_level(buf, row, col, self.codec, chunk, world_size)
         if self.error_feedback is not None:
             self.error_feedback.scatter(bucket, error)
-        buf.copy_(out).div_(self.topology.world_size)
+        self.accounting.add_seconds(time.perf_counter() - start)
         return _completed(buf)
 
     def _flat_overlapped(self, buf: torch.Tensor) -> torch.futures.Future:
         buf.div_(self.world.size)  # as DDP's allreduce_hook: average before summing, same rounding as DDP
-        work, start = self.world.allreduce_async(buf)
+        start = time.perf_counter()
+        work = self.world.allreduce(buf, async_op=True)
+        if work is None:  # a world of one
+            return _completed(buf)
         seconds = self._overlapped_seconds
 
         def done(fut: torch.futures.Future) -> torch.Tensor:
@@ -153,7 +164,9 @@ class GradientSync:
     def after_optimizer_step(self) -> None:
         """Close the step: periodic parameter average (local SGD), then the step's accounting."""
         if self.periodic is not None:
-            self.periodic.after_optimizer_step()
+            start = time.perf_counter()
+            if self.periodic.after_optimizer_step():
+                self.accounting.add_seconds(time.perf_counter() - start)
         while self._overlapped_seconds:
             self.accounting.add_seconds(self._overlapped_seconds.pop())
         last = self.accounting.end_step()

@@ -62,7 +62,8 @@ class PeriodicSync:
         flat = F.pad(flat, (0, round_up(n, rows) - n))
         m = flat.numel() // rows
         mine = flat[self.row.index * m : (self.row.index + 1) * m].clone()
-        self.col.allreduce(mine).div_(self.col.size)
+        self.col.allreduce(mine)
+        mine.div_(self.col.size)
         self.row.all_gather(flat, mine)
         offset = 0
         for p in self.params:

@@ -15,8 +15,10 @@ import time
 import torch
 import torch.distributed as dist
 
+from lightning_horizon.collectives.accounting import CommAccounting
 from lightning_horizon.collectives.comm import Comm
 from lightning_horizon.collectives.cost_model import FP32, CostModel, Link
+from lightning_horizon.topology import ProcessGroups
 
 SMALL_NUMEL = 256  # 1 KiB: latency-bound
 LARGE_NUMEL = 1 << 18  # 1 MiB: bandwidth-bound, short even on a 1 Gbit/s link (about 16 ms per ring)
@@ -43,8 +45,22 @@ def _fit(comm: Comm, repeats: int) -> Link:
     return Link(alpha, beta)
 
 
+def probe(groups: ProcessGroups, repeats: int = REPEATS) -> CostModel:
+    """Probe the links of ``groups``' topology (collective over the world: every rank must call it).
+
+    The probe's traffic goes to an accounting of its own: it is not a training step's.
+    """
+    topo, scratch = groups.topology, CommAccounting()
+    return probe_links(
+        Comm(groups.intra, groups.intra_ranks, topo, scratch),
+        Comm(groups.inter, groups.inter_ranks, topo, scratch),
+        Comm(None, list(range(topo.world_size)), topo, scratch),
+        repeats,
+    )
+
+
 def probe_links(intra: Comm, inter: Comm, world: Comm, repeats: int = REPEATS) -> CostModel:
-    """Probe both link classes (collective over the world: every rank must call it)."""
+    """Probe both link classes over these groups (collective over the world: every rank must call it)."""
     measured = torch.zeros(4, dtype=torch.float64)
     if intra.size > 1:
         link = _fit(intra, repeats)

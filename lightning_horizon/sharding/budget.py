@@ -58,7 +58,7 @@ class ShardingConfig:
     """Resident bytes per live activation byte expected on the first step (later steps measure it and re-plan).
     ``None``: 1.0 where freed memory is returned or reused well (jemalloc, tcmalloc, glibc with a fixed
     ``mmap_threshold``), else ``GLIBC_OVERHEAD``: glibc's default raises its mmap threshold as it goes and
-    keeps freed activations resident, measured at 1.9-2.4x the live bytes on a GPT step here."""
+    keeps freed activations resident, measured at 1.8-2.4x the live bytes on GPT steps here."""
 
     profile: str = "auto"
     """How the profiling pass runs ``training_step``: ``"fake"`` (FakeTensor: no real memory, no compute),

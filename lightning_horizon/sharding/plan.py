@@ -7,7 +7,9 @@ saved (``saved_bytes``). Memory over the step, with ``prefix(k)`` the bytes held
 
 - during unit ``k``'s backward (or its recompute): ``prefix(k) + saved(k) + transient(k) + grads(>= k)``,
   where transient is the gradient working set (its input and output gradients and three times its largest
-  saved tensor) and grads the parameter gradients backward has allocated by then;
+  saved tensor) and grads the parameter gradients backward has allocated by then (all of them, from the
+  forward on, where the previous step's gradients live until backward: Lightning zeroes them after
+  training_step);
 - after backward, before the optimizer step: all parameter gradients.
 
 A dynamic program over the units, keeping a Pareto front of (prefix bytes, recompute cost), finds the choice
@@ -158,33 +160,42 @@ def _items(profile: Profile, frontier: set[int], scale: float) -> list[_Item]:
     return items
 
 
-def _backward_needs(items: list[_Item], pending_grads: int) -> list[int]:
-    """For each item: what its backward holds on top of the prefix (saved, transient, gradients so far)."""
-    needs, before = [], 0
-    for it in items:
-        needs.append(it.stored + it.transient + max(0, pending_grads - before))
-        before += it.grads
-    return needs
+@dataclass(frozen=True)
+class _Grads:
+    pending: int  #: bytes of gradients backward allocates
+    in_forward: bool  #: the previous step's gradients are alive during the forward (Lightning's order)
+
+    def needs(self, items: list[_Item]) -> list[int]:
+        """For each item: what its backward holds on top of the prefix (saved, transient, gradients by then)."""
+        needs, before = [], 0
+        for it in items:
+            grads = self.pending if self.in_forward else max(0, self.pending - before)
+            needs.append(it.stored + it.transient + grads)
+            before += it.grads
+        return needs
+
+    def at_forward_end(self) -> int:
+        return self.pending if self.in_forward else 0
 
 
-def _floor(items: list[_Item], pending_grads: int) -> tuple[int, list[int]]:
-    """The least peak any choice reaches on these items, and which items' backward exceed a given allowance."""
-    prefix, worst, at = 0, pending_grads, []
-    for it, need in zip(items, _backward_needs(items, pending_grads)):
+def _floor(items: list[_Item], g: _Grads) -> tuple[int, list[int]]:
+    """The least peak any choice reaches on these items, and each item's backward with the least prefix."""
+    prefix, worst, at = 0, g.pending, []
+    for it, need in zip(items, g.needs(items)):
         at.append(prefix + need)
         worst = max(worst, prefix + need)
         prefix += it.kept if it.choosable else it.stored
-    return max(worst, prefix), at
+    return max(worst, prefix + g.at_forward_end()), at
 
 
-def _solve(items: list[_Item], allowance: int, pending_grads: int) -> Optional[tuple[float, int, set[int]]]:
+def _solve(items: list[_Item], allowance: int, g: _Grads) -> Optional[tuple[float, int, set[int]]]:
     """The cheapest choice keeping every constraint under ``allowance``: (cost, peak, recomputed item indices)."""
-    if pending_grads > allowance:
+    if g.pending > allowance:
         return None
     quantum = max(1, allowance // _STATES)
     # front: prefix bucket -> (cost, exact prefix, peak so far, back-pointer chain of recomputed items)
-    front: dict[int, tuple[float, int, int, Optional[tuple]]] = {0: (0.0, 0, pending_grads, None)}
-    for k, (it, need) in enumerate(zip(items, _backward_needs(items, pending_grads))):
+    front: dict[int, tuple[float, int, int, Optional[tuple]]] = {0: (0.0, 0, g.pending, None)}
+    for k, (it, need) in enumerate(zip(items, g.needs(items))):
         nxt: dict[int, tuple[float, int, int, Optional[tuple]]] = {}
 
         def offer(prefix: int, cost: float, peak: int, back: Optional[tuple]) -> None:
@@ -207,7 +218,7 @@ def _solve(items: list[_Item], allowance: int, pending_grads: int) -> Optional[t
                 front[b], best = nxt[b], nxt[b][0]
         if not front:
             return None
-    done = [s for s in front.values() if s[1] <= allowance]
+    done = [s for s in front.values() if s[1] + g.at_forward_end() <= allowance]
     if not done:
         return None
     cost, prefix, peak, back = min(done, key=lambda s: (s[0], s[1]))
@@ -215,7 +226,25 @@ def _solve(items: list[_Item], allowance: int, pending_grads: int) -> Optional[t
     while back is not None:
         chosen.add(back[0])
         back = back[1]
-    return cost, max(peak, prefix), chosen
+    return cost, max(peak, prefix + g.at_forward_end()), chosen
+
+
+def _top(profile: Profile) -> set[int]:
+    return {v for kind, v in profile.top if kind == "call"}
+
+
+def _global_floor(profile: Profile, scale: float, g: _Grads) -> tuple[int, set[int]]:
+    """The least peak over the frontiers met descending everywhere at once, level by level, and its frontier."""
+    frontier, best = _top(profile), (math.inf, set())
+    while True:
+        items = _items(profile, frontier, scale)
+        f = _floor(items, g)[0]
+        if f < best[0]:
+            best = (f, set(frontier))
+        parents = {it.call.index for it in items if it.call is not None and it.call.children}
+        if not parents:
+            return best
+        frontier = (frontier - parents) | {ch for i in parents for ch in profile.calls[i].children}
 
 
 def make_plan(
@@ -225,8 +254,12 @@ def make_plan(
     headroom: float = 0.95,
     scale: float = 1.0,
     best_effort: bool = False,
+    grads_in_forward: bool = False,
 ) -> ShardPlan:
     """Plan for ``budget`` bytes of RSS, ``fixed`` of which are resident before the step.
+
+    ``grads_in_forward``: the previous step's gradients are still allocated during the forward (Lightning's
+    automatic optimization zeroes them between training_step and backward).
 
     Raises :class:`InfeasibleBudgetError` (stating the smallest feasible budget) when no plan fits, unless
     ``best_effort``, which returns the plan with the smallest estimated peak instead (used when re-planning
@@ -236,14 +269,12 @@ def make_plan(
         raise ValueError(f"budget={budget!r}: must be a positive int (bytes)")
     target = int(budget * headroom)
     allowance = target - fixed
-    grads = profile.pending_grad_bytes
-    frontier = {v for kind, v in profile.top if kind == "call"}
-    floor, floor_frontier = math.inf, set(frontier)
+    grads = _Grads(profile.pending_grad_bytes, grads_in_forward)
+    frontier = _top(profile)
+    floor, floor_frontier = _global_floor(profile, scale, grads)
     while True:
         items = _items(profile, frontier, scale)
         f, at = _floor(items, grads)
-        if f < floor:
-            floor, floor_frontier = f, set(frontier)
         if f <= allowance:
             break
         # Descend into units whose backward alone cannot fit, and into containers that may not be recomputed
@@ -253,6 +284,9 @@ def make_plan(
             if it.call is not None and it.call.children and (a > allowance or it.call.reason)
         }
         if not deeper:
+            if floor <= allowance:  # the guided descent is stuck, but a finer frontier fits
+                frontier = floor_frontier
+                break
             smallest = math.ceil((fixed + floor) / headroom)
             if best_effort:
                 frontier = floor_frontier
@@ -288,22 +322,20 @@ def make_plan(
             if better is None:
                 break
             frontier, items, solved = better
-    return _assemble(profile, items, solved[2], budget, target, fixed, scale, fixed + floor)
+    return _assemble(profile, items, solved[2], budget, target, fixed, scale, fixed + floor, grads)
 
 
 def _assemble(profile: Profile, items: list[_Item], chosen: set[int], budget: int, target: int, fixed: int,
-              scale: float, floor: int) -> ShardPlan:
+              scale: float, floor: int, g: _Grads) -> ShardPlan:
     per_name: dict[str, int] = {}
     for c in profile.calls:
         per_name[c.name] = per_name.get(c.name, 0) + 1
     shards: list[Shard] = []
-    prefix, peak, before = 0, 0, 0
-    for k, it in enumerate(items):
-        need = it.stored + it.transient + max(0, profile.pending_grad_bytes - before)
+    prefix, peak = 0, 0
+    for k, (it, need) in enumerate(zip(items, g.needs(items))):
         here = fixed + prefix + need
         peak = max(peak, here)
         prefix += it.kept if k in chosen else it.stored
-        before += it.grads
         if it.call is None:  # glue joins the shard it follows (or opens a stored one)
             if not shards:
                 shards.append(Shard([], "store", 0, here))
@@ -316,7 +348,7 @@ def _assemble(profile: Profile, items: list[_Item], chosen: set[int], budget: in
         s.modules.append(_label(it.call, per_name))
         s.params += it.call.param_bytes
         s.peak = max(s.peak, here)
-    peak = max(peak, fixed + prefix, fixed + profile.pending_grad_bytes)
+    peak = max(peak, fixed + prefix + g.at_forward_end(), fixed + g.pending)
     recompute = [items[k].call.key for k in sorted(chosen)]
     flops = sum(items[k].call.flops for k in chosen)
     return ShardPlan(
@@ -327,7 +359,7 @@ def _assemble(profile: Profile, items: list[_Item], chosen: set[int], budget: in
 
 
 def evaluate(profile: Profile, recompute: list[tuple[str, int]], budget: int, fixed: int, headroom: float = 0.95,
-             scale: float = 1.0) -> Optional[ShardPlan]:
+             scale: float = 1.0, grads_in_forward: bool = False) -> Optional[ShardPlan]:
     """Re-price a given recompute set (e.g. one restored from a checkpoint); None if its calls are not all in
     the profile or one of them may not be recomputed."""
     by_key = profile.by_key()
@@ -341,13 +373,14 @@ def evaluate(profile: Profile, recompute: list[tuple[str, int]], budget: int, fi
         while p >= 0:
             ancestors.add(p)
             p = profile.calls[p].parent
-    frontier = {v for kind, v in profile.top if kind == "call"}
+    frontier = _top(profile)
     while frontier & ancestors:
         frontier = (frontier - ancestors) | {ch for i in frontier & ancestors for ch in profile.calls[i].children}
     items = _items(profile, frontier, scale)
     chosen = {k for k, it in enumerate(items) if it.call is not None and it.call.index in wanted}
-    floor = _floor(items, profile.pending_grad_bytes)[0]
-    return _assemble(profile, items, chosen, budget, int(budget * headroom), fixed, scale, fixed + floor)
+    grads = _Grads(profile.pending_grad_bytes, grads_in_forward)
+    floor = _global_floor(profile, scale, grads)[0]
+    return _assemble(profile, items, chosen, budget, int(budget * headroom), fixed, scale, fixed + floor, grads)
 
 
 __all__ = ["BYTE_COST", "InfeasibleBudgetError", "Shard", "ShardPlan", "evaluate", "make_plan"]

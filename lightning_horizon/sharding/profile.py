@@ -197,6 +197,12 @@ class _Profiler(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.fake and not self.stack and func is _aten._local_scalar_dense.default:
+            # training_step reads a value back outside any module (``loss.item()`` for a print or a list): a
+            # fake tensor has none. 1 keeps the arithmetic on it (a division, a range) working; inside a module
+            # the value may steer the graph, so there the fake pass fails and a real one runs instead.
+            dtype = args[0].dtype
+            return True if dtype == torch.bool else 1.0 if dtype.is_floating_point or dtype.is_complex else 1
         if func.overloadpacket in _DATA_DEPENDENT:
             self._mark_stack(f"data-dependent ({func.overloadpacket.__name__})")
         schema = func._schema

@@ -104,6 +104,9 @@ class GraphSharder:
         self._low_steps = 0
         self._low_ratio = 0.0
         self._resettable = True
+        self._at_floor_warned = False
+        self._grads_in_forward = False
+        self._stepped = False  # a training_step ran since the last after_step
         self._loaded: Optional[dict[str, Any]] = None
 
     # ------------------------------------------------------------------ the strategy's calls
@@ -118,14 +121,18 @@ class GraphSharder:
             self._replan(scale, reason)
         assert self._installed is not None
         self._installed.reset()
+        self._stepped = True
 
     def after_step(self, peak: Optional[int] = None) -> None:
         """Measure the step's peak RSS (or take ``peak``) and decide whether the next step re-plans."""
-        if self.plan is None:
-            return
+        if self.plan is None or not self._stepped:
+            return  # a second optimizer of the same step: its peak is the step's, measured already
+        self._stepped = False
         self.steps += 1
         if peak is None:
             peak = peak_rss()
+            if not self._resettable and self.last_peak is not None and peak <= self.last_peak:
+                return  # a high-water mark that cannot be reset says nothing new about this step
             self._resettable = reset_peak_rss()
         self.last_peak = peak
         cfg, plan, budget = self.config, self.plan, self.budget
@@ -136,6 +143,15 @@ class GraphSharder:
         ratio = max(0.0, (peak - self.fixed) / estimated)  # measured / estimated activation memory
         if peak > cfg.headroom * budget:
             self._low_steps, self._low_ratio = 0, 0.0
+            if plan.estimated_peak <= plan.floor:
+                if not self._at_floor_warned:
+                    log.warning(
+                        f"sharding[rank {self.rank}] step {self.steps}: measured peak {fmt_bytes(peak)} ="
+                        f" {peak / budget:.0%} of the budget {fmt_bytes(budget)}, but the plan already recomputes"
+                        " all it can: raise the budget, or shrink the batch or sequence"
+                    )
+                    self._at_floor_warned = True
+                return
             scale = self.scale * max(ratio, 1.0) * 1.05  # at least 5% tighter, so that it converges
             self._pending = (
                 f"measured peak {fmt_bytes(peak)} = {peak / budget:.0%} of the budget {fmt_bytes(budget)}, above"
@@ -146,7 +162,9 @@ class GraphSharder:
             self._low_steps += 1
             self._low_ratio = max(self._low_ratio, ratio)
             if self._low_steps >= cfg.relax_after:
-                scale = self.scale * min(1.0, self._low_ratio * 1.1)  # keep 10% above the largest seen
+                # 10% above the largest ratio seen, and at most halved at once: a run of short batches must not
+                # make the plan believe that activations are free
+                scale = self.scale * max(0.5, min(1.0, self._low_ratio * 1.1))
                 if scale < 0.95 * self.scale:
                     self._pending = (
                         f"{self._low_steps} steps below {cfg.relax_below:.0%} of the budget (highest peak"
@@ -156,6 +174,10 @@ class GraphSharder:
                 self._low_steps, self._low_ratio = 0, 0.0
         else:
             self._low_steps, self._low_ratio = 0, 0.0
+
+    def after_optimizer_step(self) -> None:
+        """HorizonStrategy's part hook, called after every optimizer step."""
+        self.after_step()
 
     def uninstall(self) -> None:
         """Restore every patched ``forward``: the module is exactly as before the first plan."""
@@ -200,6 +222,9 @@ class GraphSharder:
             trainer = getattr(module, "_trainer", None)
             optimizers = trainer.optimizers if trainer is not None else []
         self.fixed = resident + optimizer_state_pending(optimizers)
+        # Under a Trainer the previous step's gradients live until the next backward (zeroed after
+        # training_step); a plain loop that zeroes them before the forward does not pay for them there.
+        self._grads_in_forward = getattr(module, "_trainer", None) is not None
         self.profile = profile_step(
             module, batch, batch_idx, self.config.profile, self.config.profile_batch_fraction
         )
@@ -207,14 +232,17 @@ class GraphSharder:
         loaded, self._loaded = self._loaded, None
         if loaded is not None and loaded.get("plan") is not None:
             saved = ShardPlan.from_dict(loaded["plan"])
-            plan = evaluate(self.profile, saved.recompute, self.budget, self.fixed, self.config.headroom, self.scale)
-            if plan is not None and plan.estimated_peak <= plan.target:
+            plan = evaluate(self.profile, saved.recompute, self.budget, self.fixed, self.config.headroom, self.scale,
+                            self._grads_in_forward)
+            # Within the budget is enough: the saved plan was made to aim at the headroom line, and a few MB of
+            # RSS that moved since must not change what a resumed run recomputes (the steps will measure it).
+            if plan is not None and plan.estimated_peak <= plan.budget:
                 reason = "restored from the checkpoint"
             else:
                 plan, reason = None, "the checkpoint's plan does not fit this run's budget or model: re-planned"
         if plan is None:
             # Raises InfeasibleBudgetError, stating the smallest feasible budget, before any step runs.
-            plan = make_plan(self.profile, self.budget, self.fixed, self.config.headroom, self.scale)
+            plan = self._make_plan(self.scale)
         self._install(plan, reason)
         self._resettable = reset_peak_rss()
         if not self._resettable:
@@ -226,9 +254,9 @@ class GraphSharder:
     def _replan(self, scale: float, reason: str) -> None:
         assert self.profile is not None and self.budget is not None and self.fixed is not None and self.plan
         try:
-            plan = make_plan(self.profile, self.budget, self.fixed, self.config.headroom, scale)
+            plan = self._make_plan(scale)
         except InfeasibleBudgetError as e:
-            plan = make_plan(self.profile, self.budget, self.fixed, self.config.headroom, scale, best_effort=True)
+            plan = self._make_plan(scale, best_effort=True)
             reason += f"; no plan fits, using the one with the smallest peak ({e})"
         self.scale = scale
         if plan.recompute == self.plan.recompute:
@@ -237,6 +265,11 @@ class GraphSharder:
             self._record(reason, changed=False)
             return
         self._install(plan, reason)
+
+    def _make_plan(self, scale: float, best_effort: bool = False) -> ShardPlan:
+        assert self.profile is not None and self.budget is not None and self.fixed is not None
+        return make_plan(self.profile, self.budget, self.fixed, self.config.headroom, scale, best_effort,
+                         self._grads_in_forward)
 
     def _install(self, plan: ShardPlan, reason: str) -> None:
         assert self.module is not None

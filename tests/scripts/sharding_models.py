@@ -129,7 +129,8 @@ def rss_main(argv: list[str]) -> None:
         fraction, plain_base, plain_peak = float(argv[1]), int(argv[2]), int(argv[3])
         budget = int(plain_base + fraction * (plain_peak - plain_base))
         sharder = GraphSharder(ShardingConfig(budget=budget, adaptive=False), optimizers=[opt])
-    # The high-water mark of the whole run: read before each after_step (which resets it to measure the step).
+    # The high-water mark of each step (reset before it); their max is the run's. The sharder gets each step's
+    # figure as the strategy's call would measure it.
     reset_peak_rss()
     peaks, cpu_times = [], []
     for i, b in enumerate(data):

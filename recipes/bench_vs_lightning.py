@@ -1,0 +1,247 @@
+"""Head-to-head: the same GPT and data under plain Lightning and under lightning-horizon's defaults, on this machine.
+
+    python recipes/bench_vs_lightning.py                                  # small (~10M) GPT, 3 rounds
+    python recipes/bench_vs_lightning.py --config recipes/configs/tiny.yaml --steps 10 --rounds 1   # smoke test
+    python recipes/bench_vs_lightning.py --arms horizon,horizon-foreach,horizon-compile,lightning-32  # one question
+
+Each round runs every arm once, in a rotated order (interleaved A/B, so a noisy neighbour hits all arms alike),
+each in a fresh worker process: the arm's own RSS, thread pool and allocator state, nothing inherited from the
+arm before it. Multi-process arms are launched by Lightning itself (its launcher re-runs the worker command for
+the other ranks), as a user's script would be. A worker trains ``--warmup`` steps, then ``--steps`` measured
+steps; the step time is the interval between consecutive ``on_train_batch_end`` calls on rank 0 (data loading,
+forward, backward, gradient sync, optimizer), and an arm's tokens/s is the median over rounds of the per-round
+median. The fp32 and bf16 matmul peaks are measured in this process between rounds (the best seen), and MFU is
+the model's FLOPs per token (torch's FlopCounter) times tokens/s over that peak.
+
+Every arm trains the same GPTPretrain (same init, same AdamW kernel, same data order for the same world size),
+clipped to norm 1.0 (Lightning: ``gradient_clip_val``; horizon: GradNormBackoff's ``max_norm``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+
+# arm -> how it is built (see _trainer_kwargs); "procs" ranks of cores/procs threads each
+ARMS: dict[str, dict[str, Any]] = {
+    "lightning-32": {"kind": "lightning", "strategy": "auto", "precision": "32-true", "procs": 1},
+    # Lightning's MixedPrecision refuses gradient clipping with a fused optimizer ("performs unscaling of gradients
+    # internally"), even for bf16: its bf16 arms clip with torch's foreach AdamW, the fastest it accepts
+    "lightning-bf16": {"kind": "lightning", "strategy": "auto", "precision": "bf16-mixed", "procs": 1,
+                       "model": {"optimizer_impl": "foreach"}},
+    "lightning-ddp-32": {"kind": "lightning", "strategy": "ddp", "precision": "32-true", "procs": 2},
+    "lightning-ddp-bf16": {"kind": "lightning", "strategy": "ddp", "precision": "bf16-mixed", "procs": 2,
+                           "model": {"optimizer_impl": "foreach"}},
+    "horizon": {"kind": "horizon", "procs": 1},  # the recipe's defaults
+    "horizon-2x1": {"kind": "horizon", "procs": 2},
+    "horizon-fp32": {"kind": "horizon", "procs": 1, "compute": "fp32"},
+    "horizon-foreach": {"kind": "horizon", "procs": 1, "model": {"optimizer_impl": "foreach"}},
+    "horizon-compile": {"kind": "horizon", "procs": 1, "model": {"compile": True}},
+}
+DEFAULT_ARMS = "lightning-32,lightning-bf16,lightning-ddp-32,horizon,horizon-2x1"
+
+
+# ---------------------------------------------------------------------------------------------- worker side
+
+
+def _trainer_kwargs(arm: dict[str, Any], steps: int, timer: Any) -> dict[str, Any]:
+    from lightning_horizon import GradNormBackoff, HorizonStrategy
+
+    common = dict(accelerator="cpu", devices=arm["procs"], max_steps=steps, logger=False, enable_checkpointing=False,
+                  enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
+    if arm["kind"] == "lightning":
+        return {**common, "strategy": arm["strategy"], "precision": arm["precision"], "gradient_clip_val": 1.0,
+                "callbacks": [timer]}
+    from lightning_horizon.precision import HorizonPrecision
+
+    return {**common, "strategy": HorizonStrategy(), "plugins": [HorizonPrecision("auto", compute=arm.get("compute",
+            "auto"))], "callbacks": [GradNormBackoff(max_norm=1.0), timer]}
+
+
+def worker(args: argparse.Namespace) -> None:
+    import lightning as L
+    import psutil
+    import torch
+    import yaml
+    from lightning.pytorch.callbacks import Callback
+
+    from lm_data import ByteCorpusDataModule
+    from pretrain_gpt import GPTPretrain
+
+    arm = ARMS[args.worker]
+    cfg = yaml.safe_load(Path(args.config).read_text())
+    data_kw = dict(cfg.get("data", {}))
+    data_kw["batch_size"] = data_kw.get("batch_size", 16) // arm["procs"]  # same global batch for every arm
+    if args.cache_dir:
+        data_kw["cache_dir"] = args.cache_dir
+    model_kw = {**cfg.get("model", {}), **arm.get("model", {})}
+
+    class Timer(Callback):
+        def __init__(self) -> None:
+            self.ends: list[float] = []
+            self.losses: list[float] = []
+            self.rss = 0
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            loss = trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean")  # global batch loss
+            self.ends.append(time.perf_counter())
+            self.losses.append(float(loss))
+            self.rss = max(self.rss, psutil.Process().memory_info().rss)
+
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            rss = trainer.strategy.reduce(torch.tensor(float(self.rss), dtype=torch.float64), reduce_op="sum")
+            if trainer.global_rank == 0:
+                Path(args.out).write_text(json.dumps({
+                    "ends": self.ends, "losses": self.losses, "rss_sum": float(rss), "threads": torch.get_num_threads(),
+                    "world": trainer.world_size, "flops_per_batch": pl_module.flops_per_batch,
+                }))
+
+    L.seed_everything(1337, verbose=False)
+    model = GPTPretrain(**model_kw)
+    data = ByteCorpusDataModule(**data_kw)
+    trainer = L.Trainer(**_trainer_kwargs(arm, args.warmup + args.steps, Timer()))
+    trainer.fit(model, data)
+
+
+# ---------------------------------------------------------------------------------------------- driver side
+
+
+def run_arm(name: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--out", str(out), "--config", args.config,
+           "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    if args.cache_dir:
+        cmd += ["--cache-dir", args.cache_dir]
+    # a worker starts with the environment a user's shell would give it: no thread variables, so each framework's
+    # own policy decides (Lightning: cores // processes; HorizonStrategy: pinned cores)
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        log, _ = proc.communicate()
+        raise RuntimeError(f"arm {name} timed out after {args.timeout}s:\n{log[-3000:]}")
+    finally:
+        try:
+            os.killpg(proc.pid, 9)  # ranks a launcher left behind
+        except ProcessLookupError:
+            pass
+    if proc.returncode != 0 or not out.exists():
+        raise RuntimeError(f"arm {name} failed (exit {proc.returncode}):\n{log[-3000:]}")
+    res = json.loads(out.read_text())
+    intervals = [b - a for a, b in zip(res["ends"][args.warmup - 1:], res["ends"][args.warmup:])]
+    res["step_s"] = statistics.median(intervals)
+    res["final_loss"] = statistics.fmean(res["losses"][-min(5, len(res["losses"])):])
+    return res
+
+
+def matmul_peaks(repeat: int = 1) -> dict[str, float]:
+    import torch
+
+    from lightning_horizon.callbacks import measure_matmul_peak
+
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    return {"fp32": max(measure_matmul_peak(torch.float32, n) for n in (1024, 2048) for _ in range(repeat)),
+            "bf16": max(measure_matmul_peak(torch.bfloat16, n) for n in (1024, 2048) for _ in range(repeat))}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default=str(HERE / "configs" / "small.yaml"), help="a recipe config (model + data)")
+    p.add_argument("--arms", default=DEFAULT_ARMS, help=f"comma-separated, from: {', '.join(ARMS)}")
+    p.add_argument("--steps", type=int, default=20, help="measured steps per arm and round")
+    p.add_argument("--warmup", type=int, default=5, help="steps before measuring")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--timeout", type=float, default=900, help="seconds per arm run")
+    p.add_argument("--cache-dir", default=None, help="token cache (default ~/.cache/lightning_horizon)")
+    p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return {}
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    bad = [a for a in arms if a not in ARMS]
+    if bad or not arms:
+        raise ValueError(f"--arms={args.arms!r}: unknown {bad}; allowed: {', '.join(ARMS)}")
+    if args.steps < 3 or args.warmup < 1 or args.rounds < 1:
+        raise ValueError(f"--steps={args.steps} --warmup={args.warmup} --rounds={args.rounds}: need steps >= 3,"
+                         " warmup >= 1, rounds >= 1")
+    import yaml
+
+    from lightning_horizon.cpu import isa
+
+    cfg = yaml.safe_load(Path(args.config).read_text())
+    batch = cfg.get("data", {}).get("batch_size", 16)
+    seq = cfg.get("data", {}).get("seq_len", 256)
+    started = time.strftime("%Y-%m-%d %H:%M:%S")
+    print(f"bench_vs_lightning: {args.config} | global batch {batch} x {seq} tokens | {args.warmup} warm-up +"
+          f" {args.steps} measured steps | {args.rounds} round(s) | arms {', '.join(arms)} | ISA {isa().name}"
+          f" | {len(os.sched_getaffinity(0))} cores | {started}", flush=True)
+    from lm_data import ByteCorpusDataModule
+
+    data_kw = {k: v for k, v in cfg.get("data", {}).items() if k in ("corpus", "max_bytes")}
+    ByteCorpusDataModule(**data_kw, cache_dir=args.cache_dir).prepare_data()  # build the token cache once, here
+    peaks = matmul_peaks()
+    runs: dict[str, list[dict[str, Any]]] = {a: [] for a in arms}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            order = arms[r % len(arms):] + arms[: r % len(arms)]  # rotate: no arm always runs first or last
+            for name in order:
+                res = run_arm(name, args, Path(tmp) / f"{name}.r{r}.json")
+                runs[name].append(res)
+                print(f"  round {r + 1}: {name:<20} {batch * seq / res['step_s']:>9,.0f} tok/s  loss"
+                      f" {res['final_loss']:.4f}", flush=True)
+            for k, v in matmul_peaks().items():
+                peaks[k] = max(peaks[k], v)
+    tokens = batch * seq
+    rows = []
+    for name in arms:
+        rs = runs[name]
+        tps = [tokens / r["step_s"] for r in rs]
+        fpt = rs[0]["flops_per_batch"] * rs[0]["world"] / tokens  # FLOPs per token (forward + backward)
+        med = statistics.median(tps)
+        rows.append({"arm": name, "procs": rs[0]["world"], "threads": rs[0]["threads"], "tokens_per_sec": med,
+                     "min": min(tps), "max": max(tps), "peak_rss_mib": max(r["rss_sum"] for r in rs) / 2**20,
+                     "final_loss": statistics.median(r["final_loss"] for r in rs),
+                     "mfu_fp32": med * fpt / peaks["fp32"], "mfu_bf16": med * fpt / peaks["bf16"]})
+    lightning = [r for r in rows if ARMS[r["arm"]]["kind"] == "lightning"]
+    best = max(lightning, key=lambda r: r["tokens_per_sec"]) if lightning else None
+    bf16 = next((r for r in rows if r["arm"] == "lightning-bf16"), None)
+    finished = time.strftime("%Y-%m-%d %H:%M:%S")
+    print(f"\nmatmul peak measured here ({len(os.sched_getaffinity(0))} threads, best seen): fp32"
+          f" {peaks['fp32'] / 1e9:.1f} GFLOP/s, bf16 {peaks['bf16'] / 1e9:.1f} GFLOP/s | {started} .. {finished}")
+    header = (f"| {'arm':<18} | procs x threads | tokens/s (min-max)     | vs best Lightning | vs Lightning bf16 |"
+              f" MFU fp32 peak | MFU bf16 peak | peak RSS MiB | final loss |")
+    print(header)
+    print("|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|")
+    for r in rows:
+        vs_best = f"{r['tokens_per_sec'] / best['tokens_per_sec']:.2f}x" if best else "-"
+        vs_bf16 = f"{r['tokens_per_sec'] / bf16['tokens_per_sec']:.2f}x" if bf16 else "-"
+        print(f"| {r['arm']:<18} | {r['procs']} x {r['threads']:<11} | {r['tokens_per_sec']:>8,.0f}"
+              f" ({r['min']:>6,.0f}-{r['max']:<6,.0f}) | {vs_best:>17} | {vs_bf16:>17} | {100 * r['mfu_fp32']:>12.0f}%"
+              f" | {100 * r['mfu_bf16']:>12.0f}% | {r['peak_rss_mib']:>12,.0f} | {r['final_loss']:>10.4f} |")
+    if best:
+        print(f"best plain Lightning: {best['arm']}")
+    result = {"config": args.config, "started": started, "finished": finished, "peaks": peaks, "rows": rows,
+              "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds, "isa": isa().name}
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,233 @@
+"""The recipes end to end (tiny sizes), the monitors' logged keys, the corpus cache and split, and a bench smoke run.
+
+In-process where possible (imports are the slow part of a run on 2 cores); the bench goes through its own worker
+processes, under tests/launch.py's hard timeout.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import math
+import re
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from tests.launch import REPO, run_script
+
+sys.path.insert(0, str(REPO / "recipes"))
+
+import lm_data  # noqa: E402
+import pretrain_gpt  # noqa: E402
+import risk_classifier  # noqa: E402
+
+from lightning_horizon import CommMonitor, HorizonStrategy, MemoryMonitor, ThroughputMFUMonitor  # noqa: E402
+from lightning_horizon.callbacks.comm import find_comm_metrics  # noqa: E402
+
+TINY = str(REPO / "recipes" / "configs" / "tiny.yaml")
+
+
+def _metrics(csv_path: Path) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {}
+    if not csv_path.exists():  # nothing was logged at all
+        return out
+    with open(csv_path) as f:
+        for row in csv.DictReader(f):
+            for k, v in row.items():
+                if v not in ("", None):
+                    out.setdefault(k, []).append(float(v))
+    return out
+
+
+def _report(trainer: L.Trainer):
+    return next(c for c in trainer.callbacks if type(c).__name__ == "TrainingReport")
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("corpus_cache")
+
+
+def test_tiny_pretrain_trains_logs_and_resumes(tmp_path, cache_dir):
+    root = tmp_path / "run"
+    args = ["fit", "--config", TINY, "--data.cache_dir", str(cache_dir), "--trainer.default_root_dir", str(root),
+            "--trainer.enable_progress_bar", "false", "--trainer.strategy.threads_per_rank", "1"]
+    t0 = time.perf_counter()
+    cli = pretrain_gpt.main(args)
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 60, f"tiny config took {elapsed:.0f}s (CI budget: 60s)"
+    trainer = cli.trainer
+    assert isinstance(trainer.strategy, HorizonStrategy)
+    assert type(trainer.precision_plugin).__name__ == "HorizonPrecision"
+    assert any(type(c).__name__ == "GradNormBackoff" for c in trainer.callbacks)
+    summary = _report(trainer).summary
+    assert summary["steps"] == 60 and summary["tokens_per_sec"] > 0
+    assert summary["val_step"] == 60 and 1 < summary["val_ppl"] < 40  # uniform over bytes would be 256
+    assert (root / "checkpoints" / "last.ckpt").is_file()
+    assert (Path(trainer.log_dir) / "loss_curve.png").stat().st_size > 1000
+    m = _metrics(Path(trainer.log_dir) / "metrics.csv")
+    for key in ("train_loss", "val_loss", "val_ppl", "mem/rss_mib", "mem/peak_rss_mib", "mem/available_mib",
+                "train/device/items_per_sec", "train/device/mfu"):
+        assert key in m, f"{key} not logged; have {sorted(m)}"
+    assert m["val_ppl"][-1] < m["val_ppl"][0]  # it learns
+
+    # resume from last.ckpt: the step count carries on and the report keeps the earlier curve
+    cli2 = pretrain_gpt.main(args + ["--ckpt_path", "last", "--trainer.max_steps", "70"])
+    report2 = _report(cli2.trainer)
+    assert cli2.trainer.global_step == 70
+    assert cli2.datamodule._resume == {"epoch": 0, "batches": 60}  # the epoch continues at its 61st batch
+    assert report2.train[0][0] == 1 and report2.train[-1][0] == 70  # history from step 1, restored
+
+
+def test_default_run_is_the_readme_job():
+    # `python recipes/pretrain_gpt.py` with no arguments means `fit` with the signature defaults
+    parser_defaults = pretrain_gpt.TRAINER_DEFAULTS
+    assert parser_defaults["strategy"]["class_path"] == "lightning_horizon.HorizonStrategy"
+    assert parser_defaults["plugins"]["init_args"]["mode"] == "auto"
+    assert parser_defaults["max_steps"] % parser_defaults["val_check_interval"] == 0  # ends on a validation
+
+
+def test_gpt_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="n_head"):
+        pretrain_gpt.GPTConfig(n_embd=100, n_head=3)
+    with pytest.raises(ValueError, match="optimizer_impl"):
+        pretrain_gpt.GPTPretrain(optimizer_impl="sgd")
+
+
+def test_resumed_sampler_continues_the_epoch():
+    ds = list(range(100))
+    full = list(lm_data.ResumableSampler(ds, 2, 1, seed=5))
+    resumed = lm_data.ResumableSampler(ds, 2, 1, seed=5)
+    resumed.skip_epoch, resumed.skip = 0, 12
+    assert list(resumed) == full[12:]
+    resumed.set_epoch(1)  # the next epoch is whole again, in its own order
+    assert len(list(resumed)) == len(full) and list(resumed) != full
+
+
+def test_corpus_cache_and_split_are_deterministic(tmp_path):
+    corpus = tmp_path / "texts"
+    corpus.mkdir()
+    for i in range(5):
+        (corpus / f"f{i}.txt").write_text(f"file {i}\n" * 3000)
+    cache = tmp_path / "cache"
+    path, meta = lm_data.build_token_file(str(corpus), cache, 1 << 20)
+    stamp = path.stat().st_mtime_ns
+    again, _ = lm_data.build_token_file(str(corpus), cache, 1 << 20)
+    assert again == path and path.stat().st_mtime_ns == stamp  # found, not rebuilt
+    assert meta["files"] == 5 and meta["tokens"] == path.stat().st_size
+    tr1, va1 = lm_data.split_windows(meta["tokens"], 64, 0.1, seed=3)
+    tr2, va2 = lm_data.split_windows(meta["tokens"], 64, 0.1, seed=3)
+    assert (tr1 == tr2).all() and (va1 == va2).all() and len(va1) > 0
+    assert not set(tr1.tolist()) & set(va1.tolist())
+    (corpus / "f0.txt").write_text("changed\n" * 3000)  # an edited corpus gets a new cache file
+    assert lm_data.build_token_file(str(corpus), cache, 1 << 20)[0] != path
+    with pytest.raises(ValueError, match="corpus="):
+        lm_data.ByteCorpusDataModule(corpus=str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="val_fraction"):
+        lm_data.ByteCorpusDataModule(val_fraction=0.9)
+
+
+def test_risk_classifier_reaches_auroc_target(tmp_path):
+    cli = risk_classifier.main([
+        "fit", "--data.n_rows", "30000", "--trainer.default_root_dir", str(tmp_path),
+        "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+        "--trainer.strategy.threads_per_rank", "1",
+    ])
+    m, dm = cli.trainer.callback_metrics, cli.trainer.datamodule
+    assert dm.oracle_auroc > 0.88  # the generator's signal is there to be found
+    assert float(m["val_auroc"]) >= 0.85, f"AUROC {float(m['val_auroc']):.3f} (oracle {dm.oracle_auroc:.3f})"
+    assert 0.5 < float(m["val_acc"]) <= 1
+
+
+class _Tokens(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(32, 16), nn.Linear(16, 32)
+        self.flops_per_batch = 1_000_000
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.head(self.emb(x)).flatten(0, 1), y.flatten())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class _FakeSync:
+    """Stands in for the collectives' GradientSync: the shape CommMonitor looks for."""
+
+    accounting = object()
+
+    def metrics(self):
+        return {"comm/intra_bytes": 1024.0, "comm/inter_bytes": 0.0, "comm/seconds": 0.001, "comm/calls": 2.0}
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def _fit_monitors(tmp_path, strategy, callbacks):
+    data = TensorDataset(torch.randint(0, 32, (64, 8)), torch.randint(0, 32, (64, 8)))
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=8, callbacks=callbacks,
+                        logger=L.pytorch.loggers.CSVLogger(tmp_path), log_every_n_steps=1,
+                        enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)
+    trainer.fit(_Tokens(), DataLoader(data, batch_size=4))
+    return trainer, _metrics(Path(trainer.log_dir) / "metrics.csv")
+
+
+def test_monitors_log_their_keys_and_summaries(tmp_path, caplog):
+    throughput = ThroughputMFUMonitor(window_size=3, summary_every_n_steps=4, peak_matmul_size=256)
+    memory = MemoryMonitor(log_every_n_steps=2, summary_every_n_steps=4)
+    comm = CommMonitor(summary_every_n_steps=4)
+    strategy = HorizonStrategy(threads_per_rank=1)
+    strategy._parts["fake_sync"] = _FakeSync()
+    with caplog.at_level(logging.INFO):
+        trainer, m = _fit_monitors(tmp_path, strategy, [throughput, memory, comm])
+    for key in ("train/device/items_per_sec", "train/device/flops_per_sec", "train/device/mfu", "mem/rss_mib",
+                "mem/peak_rss_mib", "mem/available_mib", "comm/intra_bytes", "comm/seconds", "comm/time_share"):
+        assert key in m, f"{key} not logged; have {sorted(m)}"
+    assert throughput.peaks["fp32"] > 1e8 and 0 < throughput.last["mfu"]
+    assert memory.last[0]["peak_rss_mib"] >= memory.last[0]["rss_mib"] * 0.5 > 0
+    text = caplog.text
+    assert re.search(r"step 4: [\d,]+ tok/s", text) and "step 4: memory: rank0 RSS" in text
+    assert "step 4: comm: 0.00 MiB intra-node" in text
+
+
+def test_comm_monitor_is_a_noop_without_accounting(tmp_path, caplog):
+    assert find_comm_metrics(object()) is None
+    comm = CommMonitor()
+    with caplog.at_level(logging.INFO):
+        _, m = _fit_monitors(tmp_path, "auto", [comm])
+    assert not [k for k in m if k.startswith("comm/")]
+    assert caplog.text.count("exposes no communication accounting") == 1
+
+
+def test_monitor_arguments_are_checked():
+    with pytest.raises(ValueError, match="window_size"):
+        ThroughputMFUMonitor(window_size=1)
+    with pytest.raises(ValueError, match="log_every_n_steps"):
+        MemoryMonitor(log_every_n_steps=0)
+    with pytest.raises(ValueError, match="summary_every_n_steps"):
+        CommMonitor(summary_every_n_steps=-1)
+
+
+def test_bench_smoke(tmp_path, cache_dir):
+    out = run_script(REPO / "recipes" / "bench_vs_lightning.py",
+                     ["--config", TINY, "--arms", "lightning-32,horizon", "--steps", "3", "--warmup", "1",
+                      "--rounds", "1", "--cache-dir", str(cache_dir), "--json", str(tmp_path / "b.json")],
+                     timeout=120).stdout
+    assert "| horizon " in out and "| lightning-32 " in out and "MFU" in out
+    import json
+
+    rows = {r["arm"]: r for r in json.loads((tmp_path / "b.json").read_text())["rows"]}
+    assert all(r["tokens_per_sec"] > 0 and math.isfinite(r["final_loss"]) for r in rows.values())

@@ -34,44 +34,62 @@ class ISA:
     avx512: bool
     avx512_bf16: bool
     amx: bool
+    arm_bf16: bool
     torch_capability: str  # what torch's dispatcher uses: "DEFAULT", "AVX2", "AVX512", ...
 
     @property
     def native_bf16(self) -> bool:
-        """bf16 matmuls run in hardware (AVX512-BF16 or AMX); elsewhere they are emulated and slow."""
-        return self.avx512_bf16 or self.amx
+        """bf16 matmuls run in hardware (AVX512-BF16, AMX, Arm BF16); elsewhere they are emulated and slow."""
+        return self.avx512_bf16 or self.amx or self.arm_bf16
 
     @property
     def name(self) -> str:
-        """The best instruction set found, for logs and tables."""
-        for flag, label in ((self.amx, "AMX"), (self.avx512_bf16, "AVX512-BF16"), (self.avx512, "AVX-512"),
-                            (self.avx2, "AVX2")):
+        """The best instruction set found, for tables."""
+        for flag, label in ((self.amx, "AMX"), (self.avx512_bf16, "AVX512-BF16"), (self.arm_bf16, "ARM-BF16"),
+                            (self.avx512, "AVX-512"), (self.avx2, "AVX2")):
             if flag:
                 return label
         return "baseline"
 
+    @property
+    def description(self) -> str:
+        """torch's kernel level plus the bf16 extensions, for log lines: e.g. "AVX512 + AVX512-BF16"."""
+        extras = [label for flag, label in ((self.avx512_bf16, "AVX512-BF16"), (self.amx, "AMX-BF16"),
+                                            (self.arm_bf16, "ARM-BF16")) if flag]
+        return " + ".join([self.torch_capability, *extras])
+
 
 @lru_cache(maxsize=1)
-def isa() -> ISA:
-    """Read the ISA from /proc/cpuinfo flags, cross-checked with torch's own CPU capability."""
-    flags: set[str] = set()
+def cpu_flags() -> frozenset[str]:
+    """The CPU feature flags of /proc/cpuinfo ("flags" on x86, "Features" on Arm); empty where there is none."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
+                if line.startswith(("flags", "Features")):
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
+    return frozenset()
+
+
+def isa() -> ISA:
+    """The ISA from the CPU flags, cross-checked with torch's own CPU capability (and its cpuinfo probe where
+    there is no /proc/cpuinfo)."""
+    flags = cpu_flags()
     try:
         capability = torch.backends.cpu.get_cpu_capability()
-    except Exception:  # very old torch or an exotic build
+    except Exception:  # an exotic build
         capability = "DEFAULT"
+    avx512_bf16 = "avx512_bf16" in flags
+    if not flags:
+        probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+        avx512_bf16 = bool(probe and probe())
     return ISA(
         avx2="avx2" in flags or capability.startswith("AVX"),
         avx512="avx512f" in flags or capability.startswith("AVX512"),
-        avx512_bf16="avx512_bf16" in flags,
+        avx512_bf16=avx512_bf16,
         amx="amx_bf16" in flags,
+        arm_bf16="bf16" in flags,
         torch_capability=capability,
     )
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from contextlib import contextmanager, nullcontext
-from functools import lru_cache
 from typing import Any, Callable, Generator, Optional
 
 import torch
@@ -32,6 +31,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
+from lightning_horizon import cpu
 from lightning_horizon.gradnorm import clip_grads_, total_norm_fp32
 
 log = logging.getLogger(__name__)
@@ -42,43 +42,10 @@ COMPUTES = ("auto", "bf16", "fp32")
 BACKENDS = ("native", "ipex", "auto")
 STATE_ROUNDINGS = ("stochastic", "nearest")
 _STATE_VERSION = 1
+_NOISE = 1 << 16  # elements in a stochastic-rounding noise window
 
 
 # ---------------------------------------------------------------------------------------------- ISA detection
-
-
-@lru_cache(maxsize=1)
-def _cpu_flags() -> frozenset[str]:
-    """The CPU feature flags of /proc/cpuinfo ("flags" on x86, "Features" on Arm); empty where there is none."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-def isa_name() -> str:
-    """The instruction sets that matter for bf16, for the log line: e.g. "AVX2" or "AVX512 + AVX512-BF16"."""
-    flags = _cpu_flags()
-    try:
-        base = torch.backends.cpu.get_cpu_capability()  # what torch's own kernels dispatch to
-    except Exception:  # an exotic build
-        base = "unknown"
-    extras = [label for flag, label in (("avx512_bf16", "AVX512-BF16"), ("amx_bf16", "AMX-BF16"), ("bf16", "ARM-BF16"))
-              if flag in flags]
-    return " + ".join([base, *extras])
-
-
-def native_bf16() -> bool:
-    """True where the CPU multiplies bf16 in hardware (AVX512-BF16, AMX-BF16, Arm BF16)."""
-    flags = _cpu_flags()
-    if flags:
-        return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
-    check = getattr(torch.cpu, "_is_avx512_bf16_supported", None)  # no /proc/cpuinfo: ask torch's cpuinfo
-    return bool(check and check())
 
 
 def resolve_compute(compute: str, device_type: str = "cpu") -> tuple[str, str]:
@@ -86,7 +53,8 @@ def resolve_compute(compute: str, device_type: str = "cpu") -> tuple[str, str]:
     if device_type == "cuda":
         found, ok = "CUDA", torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     elif device_type == "cpu":
-        found, ok = isa_name(), native_bf16()
+        found_isa = cpu.isa()
+        found, ok = found_isa.description, found_isa.native_bf16
     else:
         found, ok = device_type, False
     have = "native bf16" if ok else "no native bf16"
@@ -99,7 +67,7 @@ def resolve_compute(compute: str, device_type: str = "cpu") -> tuple[str, str]:
 
 
 def ipex_status() -> tuple[Any, str]:
-    """``(module, "")`` when intel_extension_for_pytorch imports and matches torch's major.minor, else ``(None, why)``."""
+    """``(ipex, "")`` when intel_extension_for_pytorch imports and matches torch's major.minor, else ``(None, why)``."""
     try:
         import intel_extension_for_pytorch as ipex  # type: ignore[import-not-found]
     except ImportError:
@@ -160,6 +128,8 @@ class HorizonPrecision(Precision):
         _check("state_rounding", state_rounding, STATE_ROUNDINGS)
         if isinstance(step_chunk_numel, bool) or not isinstance(step_chunk_numel, int) or step_chunk_numel < 1:
             raise ValueError(f"HorizonPrecision(step_chunk_numel={step_chunk_numel!r}): allowed is an int >= 1")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"HorizonPrecision(seed={seed!r}): allowed is an int")
         self.requested_mode = mode
         self.mode = "bf16-mixed" if mode == "auto" else mode
         self.master = (master or "kahan") if self.mode == "bf16-true" else None
@@ -181,6 +151,7 @@ class HorizonPrecision(Precision):
         self._slots: list[tuple[Module, str]] = []  # where the fp32-compute forward swaps in upcast weights
         self._upcasting = False
         self._generators: dict[str, torch.Generator] = {}
+        self._noise: Optional[Tensor] = None
         self._pending: Optional[dict[str, Any]] = None  # state loaded before connect()
 
     def _set_compute(self, compute: str, reason: str) -> None:
@@ -387,6 +358,7 @@ class HorizonPrecision(Precision):
         """
         groups = optimizer.param_groups
         todo = [(i, p) for i, g in enumerate(groups) for p in g["params"] if p.grad is not None]
+        self._noise = None  # a fresh stochastic-rounding block for this step
         if not todo:  # nothing to update (e.g. a skipped step): still one call, so step hooks run as usual
             return optimizer.step(**kwargs)
         chunks: list[list[tuple[int, Tensor]]] = [[]]
@@ -441,21 +413,25 @@ class HorizonPrecision(Precision):
         if not state:
             return
         optimizer.state[p] = state
-        bits = None
-        for j, k in enumerate([k for k, v in state.items() if _per_element(k, v, p) and v.dtype != torch.bfloat16]):
-            x = state[k]
-            if self.state_rounding == "nearest":
-                state[k] = x.to(torch.bfloat16)
-                continue
-            # stochastic rounding: add a uniform fraction of one bf16 ulp to the bits bf16 drops, then truncate
-            # (unbiased). One 31-bit draw serves two tensors (bits 0-15 and 15-30): the RNG is the slow part.
-            if j % 2 == 0:
-                bits = torch.empty(x.shape, dtype=torch.int32, device=x.device).random_(generator=self._generator(x.device))
-                noise = bits.bitwise_and(0xFFFF)
-            else:
-                noise = bits.bitwise_right_shift_(15)
-            x = x.contiguous().view(torch.int32).add_(noise).bitwise_and_(-65536).view(torch.float32)
-            state[k] = x.to(torch.bfloat16)  # exact: the low 16 bits are zero
+        for k, x in list(state.items()):
+            if _per_element(k, x, p) and x.dtype != torch.bfloat16:
+                state[k] = x.to(torch.bfloat16) if self.state_rounding == "nearest" else self._round_stochastic(x)
+
+    def _round_stochastic(self, x: Tensor) -> Tensor:
+        """bf16 by stochastic rounding: add a uniform fraction of one bf16 ulp to the 16 bits bf16 drops, then
+        truncate (unbiased). The noise is a window, at a random offset, of a block drawn once per step, added
+        with a broadcast: a fresh draw per element costs more than the whole optimizer step."""
+        gen = self._generator(x.device)
+        if self._noise is None or self._noise.device != x.device:
+            self._noise = torch.empty(2 * _NOISE, dtype=torch.int32, device=x.device).random_(0, 1 << 16, generator=gen)
+        off = int(torch.randint(0, _NOISE, (1,), generator=gen, device=gen.device))
+        block = self._noise[off : off + _NOISE]
+        bits = x.contiguous().view(torch.int32).view(-1)
+        full = bits.numel() - bits.numel() % _NOISE
+        if full:
+            bits[:full].view(-1, _NOISE).add_(block)
+        bits[full:].add_(block[: bits.numel() - full])
+        return bits.bitwise_and_(-65536).view(torch.float32).view(x.shape).to(torch.bfloat16)  # exact
 
     def _generator(self, device: torch.device) -> torch.Generator:
         key = str(device)

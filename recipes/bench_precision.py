@@ -1,17 +1,19 @@
 """Tokens/s, peak RSS and bytes per parameter of one GPT under each precision, interleaved in one process.
 
-    python recipes/bench_precision.py                       # ~12M-parameter GPT, 3 interleaved rounds
-    python recipes/bench_precision.py --dim 256 --layers 4  # quicker
+    python recipes/bench_precision.py --threads 1                          # ~12M-param GPT, 3 rounds
+    python recipes/bench_precision.py --dim 256 --heads 4 --layers 2 --rounds 1   # quicker
 
-Configs: Lightning's fp32 ("32-true") and "bf16-mixed", then HorizonPrecision's "auto", bf16-true with an fp32
-master and with Kahan compensation (compute "auto"), and bf16-true + kahan with compute forced to fp32 (the path
-"auto" takes on CPUs without native bf16). Each round runs every config for ``--steps`` timed steps (after
-``--warmup``), so machine noise hits all configs alike; the median step over all rounds gives tokens/s.
+Configs: Lightning's fp32 ("32-true") and "bf16-mixed", then HorizonPrecision's "auto" (and "auto" with compute
+forced to fp32: what "auto" runs on CPUs without native bf16), bf16-true with an fp32 master and with Kahan
+compensation (compute "auto"), and bf16-true + kahan with compute forced to fp32 (bf16-true on such CPUs).
+Each round runs every config for ``--steps`` timed steps (after ``--warmup``), so machine noise hits all
+configs alike; the median step over all rounds gives tokens/s, "spread" the (max - min) / median of the
+per-round medians. On a shared machine ``--threads 1`` is much steadier.
 
 Bytes per parameter are measured on the live tensors after a step (weights, master or compensation, grads,
-optimizer state; AdamW); "analytic" is :func:`lightning_horizon.precision.bytes_per_param`. Peak RSS is the
-process's resident set sampled at the step's hooks, minus the resident set before that fit: approximate
-(the allocator keeps freed memory), but comparable across configs.
+optimizer state; AdamW); "analytic" is :func:`lightning_horizon.precision.bytes_per_param`. Peak RSS comes from
+one extra short fit per config in a child process (its high-water mark VmHWM, reset just before the fit, minus
+its resident set then), since in one process the allocator keeps what an earlier config freed. Linux only.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import argparse
 import gc
 import os
 import statistics
+import subprocess
+import sys
 import time
 
 import psutil
@@ -28,7 +32,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import lightning.pytorch as L
-from lightning_horizon.precision import HorizonPrecision, bytes_per_param, held_bytes, isa_name, native_bf16
+from lightning_horizon import cpu
+from lightning_horizon.precision import HorizonPrecision, bytes_per_param, held_bytes
 
 
 class Block(nn.Module):
@@ -71,29 +76,17 @@ class GPT(L.LightningModule):
 
 
 class Probe(L.Callback):
-    """Step times after warmup, RSS at every hook, and the bytes held after the last step."""
+    """Step times after warmup, and the bytes held after the last step."""
 
     def __init__(self, warmup: int) -> None:
-        self.warmup, self.times, self.rss, self.held = warmup, [], [], None
-        self.proc = psutil.Process()
-
-    def _sample(self) -> None:
-        self.rss.append(self.proc.memory_info().rss)
+        self.warmup, self.times, self.held = warmup, [], None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self._sample()
         self.t0 = time.perf_counter()
-
-    def on_after_backward(self, trainer, pl_module) -> None:
-        self._sample()
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        self._sample()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if batch_idx >= self.warmup:
             self.times.append(time.perf_counter() - self.t0)
-        self._sample()
         self.held = held_bytes(pl_module, trainer.optimizers, trainer.precision_plugin)
 
 
@@ -101,6 +94,7 @@ CONFIGS = {
     "fp32 (32-true)": lambda: {"precision": "32-true"},
     "lightning bf16-mixed": lambda: {"precision": "bf16-mixed"},
     "horizon auto": lambda: {"plugins": [HorizonPrecision("auto")]},
+    "horizon auto, compute=fp32 (as on AVX2)": lambda: {"plugins": [HorizonPrecision("auto", compute="fp32")]},
     "horizon bf16-true fp32-master": lambda: {"plugins": [HorizonPrecision("bf16-true", master="fp32")]},
     "horizon bf16-true kahan": lambda: {"plugins": [HorizonPrecision("bf16-true", master="kahan")]},
     "horizon bf16-true kahan compute=fp32": lambda: {
@@ -108,7 +102,8 @@ CONFIGS = {
     },
 }
 ANALYTIC = {"fp32 (32-true)": ("fp32", None), "lightning bf16-mixed": ("bf16-mixed", None),
-            "horizon auto": ("auto", None), "horizon bf16-true fp32-master": ("bf16-true", "fp32"),
+            "horizon auto": ("auto", None), "horizon auto, compute=fp32 (as on AVX2)": ("auto", None),
+            "horizon bf16-true fp32-master": ("bf16-true", "fp32"),
             "horizon bf16-true kahan": ("bf16-true", "kahan"),
             "horizon bf16-true kahan compute=fp32": ("bf16-true", "kahan")}
 
@@ -117,15 +112,12 @@ def run_one(name: str, args: argparse.Namespace, data: torch.Tensor) -> Probe:
     torch.manual_seed(0)
     model = GPT(args.vocab, args.dim, args.layers, args.heads, args.seq)
     probe = Probe(args.warmup)
-    gc.collect()
-    base = probe.proc.memory_info().rss
     trainer = L.Trainer(
         accelerator="cpu", devices=1, max_steps=args.warmup + args.steps, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[probe], **CONFIGS[name](),
     )
     loader = torch.utils.data.DataLoader(data, batch_size=args.batch)
     trainer.fit(model, loader)
-    probe.peak = max(probe.rss) - base
     probe.params = sum(p.numel() for p in model.parameters())
     return probe
 
@@ -154,17 +146,36 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="1 is steadier on a shared machine")
     ap.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument("--rss-of", choices=list(CONFIGS), help=argparse.SUPPRESS)  # the child that measures peak RSS
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     data = markov_tokens(args.batch * (args.warmup + args.steps), args.seq, args.vocab)
-    print(f"ISA: {isa_name()}; native bf16: {native_bf16()}; torch {torch.__version__}; threads {args.threads}")
+    if args.rss_of:
+        gc.collect()
+        with open("/proc/self/clear_refs", "w") as f:  # reset the peak (VmHWM) to now: imports peak higher
+            f.write("5")
+        base = psutil.Process().memory_info().rss
+        run_one(args.rss_of, args, data)
+        with open("/proc/self/status") as f:
+            hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
+        print(f"RSS {hwm - base}")
+        return
+    print(f"ISA: {cpu.isa().description}; native bf16: {cpu.isa().native_bf16}; torch {torch.__version__}; threads {args.threads}")
 
     results: dict[str, list[Probe]] = {name: [] for name in args.configs}
     for r in range(args.rounds):
         for name in args.configs:
             results[name].append(run_one(name, args, data))
-            print(f"  round {r + 1}/{args.rounds} {name}: {statistics.median(results[name][-1].times) * 1e3:.0f} ms/step",
-                  flush=True)
+            ms = statistics.median(results[name][-1].times) * 1e3
+            print(f"  round {r + 1}/{args.rounds} {name}: {ms:.0f} ms/step", flush=True)
+
+    peaks = {}
+    for name in args.configs:
+        same = [f"--{k}={getattr(args, k)}" for k in ("vocab", "dim", "layers", "heads", "seq", "batch", "steps",
+                                                          "warmup", "threads")]
+        out = subprocess.run([sys.executable, __file__, *same, f"--rss-of={name}"], capture_output=True, text=True,
+                             check=True).stdout
+        peaks[name] = int(out.split("RSS ")[-1].split()[0])
 
     tokens = args.batch * args.seq
     base_name = args.configs[0]
@@ -179,7 +190,7 @@ def main() -> None:
         held = probes[-1].held
         per = {k: v / n_params for k, v in held.items()}
         analytic = bytes_per_param(*ANALYTIC[name])["total"] if name in ANALYTIC else float("nan")
-        peak = statistics.median(p.peak for p in probes) / 2**20
+        peak = peaks[name] / 2**20
         rounds = [statistics.median(p.times) for p in probes]  # (max - min) / median of the per-round medians
         spread = (max(rounds) - min(rounds)) / statistics.median(rounds)
         print(f"{name:40s} {speed[name]:8.0f} {speed[name] / speed[base_name]:6.2f} {spread:6.0%} {peak:10.0f}  "

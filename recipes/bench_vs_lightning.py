@@ -153,8 +153,8 @@ def matmul_peaks(repeat: int = 1) -> dict[str, float]:
     from lightning_horizon.callbacks import measure_matmul_peak
 
     torch.set_num_threads(len(os.sched_getaffinity(0)))
-    return {"fp32": max(measure_matmul_peak(torch.float32, n) for n in (1024, 2048) for _ in range(repeat)),
-            "bf16": max(measure_matmul_peak(torch.bfloat16, n) for n in (1024, 2048) for _ in range(repeat))}
+    return {"fp32": max(measure_matmul_peak(torch.float32, seconds=1.5) for _ in range(repeat)),
+            "bf16": max(measure_matmul_peak(torch.bfloat16, seconds=1.5) for _ in range(repeat))}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

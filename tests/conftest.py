@@ -4,8 +4,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-# Tests run on 2 cores; keep each in-process test single-threaded unless it says otherwise.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Tests run on 2 cores, often beside other processes: one intra-op thread per in-process test (2 threads on a
+# loaded machine ran 20-50x slower). Scripts started by tests size their own threads.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)

@@ -23,7 +23,7 @@ def test_plan_cores_slices_stay_inside_numa_domains_when_ranks_divide_them(monke
 
 def test_isa_is_consistent_with_torch():
     found = cpu.isa()
-    assert found.native_bf16 == (found.avx512_bf16 or found.amx)
+    assert found.native_bf16 == (found.avx512_bf16 or found.amx or found.arm_bf16)
     if found.torch_capability.startswith("AVX512"):
         assert found.avx512
     assert found.name in ("AMX", "AVX512-BF16", "AVX-512", "AVX2", "baseline")

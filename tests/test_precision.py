@@ -6,6 +6,7 @@ Tiny models only (bf16 is emulated on some CPUs). No timing assertions: speed li
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import types
 
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 
 import lightning.pytorch as L
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning_horizon import cpu
 from lightning_horizon import precision as hp
 from lightning_horizon.gradnorm import total_norm_fp32
 from lightning_horizon.precision import HorizonPrecision
@@ -125,19 +127,19 @@ def test_auto_follows_the_isa_and_says_why(monkeypatch):
     # this machine: whatever it has, "auto" must match it and name the ISA
     plugin = HorizonPrecision()
     assert plugin.mode == "bf16-mixed"
-    assert plugin.compute == ("bf16" if hp.native_bf16() else "fp32")
-    assert f"ISA found: {hp.isa_name()}" in plugin.reason
+    assert plugin.compute == ("bf16" if cpu.isa().native_bf16 else "fp32")
+    assert f"ISA found: {cpu.isa().description}" in plugin.reason
 
-    monkeypatch.setattr(hp, "_cpu_flags", lambda: frozenset({"avx", "avx2", "fma"}))  # a Zen 3 / Haswell
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx", "avx2", "fma"}))  # a Zen 3 / Haswell
     plugin = HorizonPrecision()
     assert plugin.compute == "fp32" and plugin.precision == "32-true"
     assert "no native bf16 -> fp32 compute; pass compute='bf16' to force" in plugin.reason
     forced = HorizonPrecision(compute="bf16")
     assert forced.compute == "bf16" and "forced" in forced.reason and "slower" in forced.reason
 
-    monkeypatch.setattr(hp, "_cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16"}))
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16"}))
     assert HorizonPrecision().compute == "bf16"
-    monkeypatch.setattr(hp, "_cpu_flags", lambda: frozenset({"avx2", "amx_bf16", "amx_tile"}))
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx2", "amx_bf16", "amx_tile"}))
     assert HorizonPrecision().compute == "bf16"
 
 
@@ -268,6 +270,20 @@ def test_kahan_keeps_tiny_updates_that_naive_bf16_loses():
     true_w = kahan.w.double() + plugin._comp[kahan.w].double()  # the weight Kahan carries: bf16 + compensation
     assert ((1.0 - true_w) - fp32_move).abs().max() < 1e-2 * moved  # within 1% of fp32's movement
     assert (kahan.w.double() - ref.w.double()).abs().max() <= 2.0**-9  # and the bf16 weight within half an ulp
+
+
+def test_stochastic_state_rounding_lets_slow_averages_decay():
+    """Adam's exp_avg_sq with beta2=0.999 and zero grads: v *= 0.999 per step, each step stored in bf16."""
+    stored = {}
+    for rounding in ("nearest", "stochastic"):
+        plugin, v = HorizonPrecision("bf16-true", state_rounding=rounding), torch.ones(4096, dtype=torch.bfloat16)
+        for _ in range(300):
+            plugin._noise = None  # a new step
+            x = v.float() * 0.999
+            v = x.to(torch.bfloat16) if rounding == "nearest" else plugin._round_stochastic(x)
+        stored[rounding] = v.double().mean().item()
+    assert stored["nearest"] == 1.0  # round-to-nearest never moves: 0.1% is below bf16's half-ulp
+    assert abs(stored["stochastic"] - 0.999**300) < 0.01 * 0.999**300
 
 
 def test_tiny_lm_ends_within_2_percent_of_fp32():
@@ -427,11 +443,12 @@ tr.strategy.barrier()  # rank 0 must not exit (and the launcher reap rank 1) bef
 
 def test_ddp_ranks_stay_identical(tmp_path):
     """2 gloo ranks: grads all-reduced every step (a param whose dtype changes loses DDP's hooks) -> equal ranks."""
-    from tests.launch import run_script
+    from tests.launch import REPO, run_script
 
     script = tmp_path / "ddp_precision.py"
     script.write_text(DDP_SCRIPT)
-    run_script(script, [tmp_path / "out"], timeout=180, env={"OMP_NUM_THREADS": "1"})
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))  # the script imports tests.*
+    run_script(script, [tmp_path / "out"], timeout=180, env={"OMP_NUM_THREADS": "1", "PYTHONPATH": path})
     ranks = [torch.load(tmp_path / f"out.rank{r}") for r in (0, 1)]
     for name in ranks[0]:
         assert len(ranks[0][name]) > 7

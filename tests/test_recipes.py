@@ -186,7 +186,7 @@ def _fit_monitors(tmp_path, strategy, callbacks):
 
 
 def test_monitors_log_their_keys_and_summaries(tmp_path, caplog):
-    throughput = ThroughputMFUMonitor(window_size=3, summary_every_n_steps=4, peak_matmul_size=256)
+    throughput = ThroughputMFUMonitor(window_size=3, summary_every_n_steps=4, peak_matmul_sizes=(256,))
     memory = MemoryMonitor(log_every_n_steps=2, summary_every_n_steps=4)
     comm = CommMonitor(summary_every_n_steps=4)
     strategy = HorizonStrategy(threads_per_rank=1)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import lightning.pytorch as pl
 import torch
@@ -28,24 +28,29 @@ log = logging.getLogger(__name__)
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def measure_matmul_peak(dtype: torch.dtype = torch.float32, n: int = 1024, seconds: float = 0.4) -> float:
-    """FLOP/s of the best ``n x n @ n x n`` matmul in ``dtype`` over about ``seconds`` (after two warm-up calls).
+def measure_matmul_peak(
+    dtype: torch.dtype = torch.float32, sizes: Sequence[int] = (512, 1024, 2048), seconds: float = 0.6
+) -> float:
+    """FLOP/s of the best square matmul in ``dtype`` over ``sizes``, about ``seconds`` in all (3 calls at least per size).
 
-    The best, not the median: on a shared machine the median measures the neighbours; the best is the closest
-    to what the cores can do, so MFU figures err on the low side.
+    The best, not the median: on a shared machine the median measures the neighbours; the best single call is the
+    closest to what the cores can do, so MFU figures err on the low side. Several sizes, because the size that
+    reaches the peak grows with the core count (a 512 matmul is enough for 2 cores, not for 64).
     """
-    if n < 64:
-        raise ValueError(f"measure_matmul_peak(n={n!r}): allowed is an int >= 64 (smaller matmuls measure overhead)")
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    for _ in range(2):
-        torch.mm(a, b)
-    best, deadline, reps = float("inf"), time.perf_counter() + seconds, 0
-    while reps < 3 or time.perf_counter() < deadline:
-        t = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - t)
-        reps += 1
-    return 2 * n**3 / best
+    if not sizes or any(isinstance(n, bool) or not isinstance(n, int) or n < 64 for n in sizes):
+        raise ValueError(f"measure_matmul_peak(sizes={sizes!r}): allowed are ints >= 64 (smaller measure overhead)")
+    best_flops = 0.0
+    for n in sizes:
+        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        torch.mm(a, b)  # warm-up: packing buffers, thread pool start
+        best, deadline, reps = float("inf"), time.perf_counter() + seconds / len(sizes), 0
+        while reps < 3 or time.perf_counter() < deadline:
+            t = time.perf_counter()
+            torch.mm(a, b)
+            best = min(best, time.perf_counter() - t)
+            reps += 1
+        best_flops = max(best_flops, 2 * n**3 / best)
+    return best_flops
 
 
 def compute_dtype_of(precision_plugin: Any) -> str:
@@ -78,7 +83,7 @@ class ThroughputMFUMonitor(ThroughputMonitor):
         window_size: steps in the rolling window (Lightning's ``Throughput``); figures appear once it is full.
         summary_every_n_steps: print the one-line summary every this many optimizer steps (0: never).
         prog_bar: show global tokens/s (``tok/s``) in the progress bar.
-        peak_matmul_size: ``n`` of the ``n x n`` matmuls that measure the peak.
+        peak_matmul_sizes: the square matmul sizes whose best call is the measured peak.
     """
 
     def __init__(
@@ -89,7 +94,7 @@ class ThroughputMFUMonitor(ThroughputMonitor):
         window_size: int = 10,
         summary_every_n_steps: int = 50,
         prog_bar: bool = True,
-        peak_matmul_size: int = 1024,
+        peak_matmul_sizes: tuple[int, ...] = (512, 1024, 2048),
     ) -> None:
         if isinstance(window_size, bool) or not isinstance(window_size, int) or window_size < 2:
             raise ValueError(f"ThroughputMFUMonitor(window_size={window_size!r}): allowed is an int >= 2")
@@ -97,12 +102,16 @@ class ThroughputMFUMonitor(ThroughputMonitor):
                 or summary_every_n_steps < 0:
             raise ValueError(f"ThroughputMFUMonitor(summary_every_n_steps={summary_every_n_steps!r}): allowed is an"
                              " int >= 0 (0: no summary lines)")
+        if not peak_matmul_sizes or any(isinstance(n, bool) or not isinstance(n, int) or n < 64
+                                        for n in peak_matmul_sizes):
+            raise ValueError(f"ThroughputMFUMonitor(peak_matmul_sizes={peak_matmul_sizes!r}): allowed is a non-empty"
+                             " sequence of ints >= 64")
         if peak_flops is not None and not peak_flops > 0:
             raise ValueError(f"ThroughputMFUMonitor(peak_flops={peak_flops!r}): allowed is a number > 0 or None")
         super().__init__(batch_size_fn or _batch_size, length_fn or _batch_tokens, window_size=window_size)
         self.peak_flops_given = peak_flops
-        self.summary_every_n_steps, self.prog_bar, self.peak_matmul_size = summary_every_n_steps, prog_bar, \
-            peak_matmul_size
+        self.summary_every_n_steps, self.prog_bar = summary_every_n_steps, prog_bar
+        self.peak_matmul_sizes = tuple(peak_matmul_sizes)
         self.compute_dtype = "fp32"
         #: measured (or given) per-rank peaks in FLOP/s, by dtype name
         self.peaks: dict[str, float] = {}
@@ -113,10 +122,10 @@ class ThroughputMFUMonitor(ThroughputMonitor):
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         self.compute_dtype = compute_dtype_of(trainer.precision_plugin)
         if not self.peaks and trainer.strategy.root_device.type == "cpu":
-            self.peaks["fp32"] = measure_matmul_peak(torch.float32, self.peak_matmul_size)
+            self.peaks["fp32"] = measure_matmul_peak(torch.float32, self.peak_matmul_sizes)
             if self.compute_dtype != "fp32":
                 self.peaks[self.compute_dtype] = measure_matmul_peak(_DTYPES[self.compute_dtype],
-                                                                     self.peak_matmul_size)
+                                                                     self.peak_matmul_sizes)
         if self.peak_flops_given is not None:
             self.peaks[self.compute_dtype] = float(self.peak_flops_given)
         super().setup(trainer, pl_module, stage)  # builds the Throughput objects with Lightning's table value

@@ -9,6 +9,7 @@ a job whose peer is gone, and one checkpoint key under which each part keeps its
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import logging
 import os
@@ -186,6 +187,11 @@ class HorizonStrategy(DDPStrategy):
     def setup_distributed(self) -> None:
         if self._world_size_planned > 1:
             super().setup_distributed()
+            # Lightning leaves the process group up for later fits; torch 2.13's gloo group, destroyed during
+            # interpreter shutdown, can abort the process ("terminate called without an active exception",
+            # exit -6) after a successful run. Destroy it while Python is still whole.
+            atexit.unregister(_destroy_process_group)  # once per process, however many fits
+            atexit.register(_destroy_process_group)
             return
         # One process: no process group (nothing to reduce), just the rank bookkeeping.
         reset_seed()
@@ -389,6 +395,11 @@ class HorizonStrategy(DDPStrategy):
             strategy_registry.register(
                 name, cls, description=f"HorizonStrategy with start_method={start_method!r}", start_method=start_method
             )
+
+
+def _destroy_process_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _cpulist(cores: list[int]) -> str:

@@ -48,7 +48,22 @@ ARMS: dict[str, dict[str, Any]] = {
     "horizon-fp32": {"kind": "horizon", "procs": 1, "compute": "fp32"},
     "horizon-foreach": {"kind": "horizon", "procs": 1, "model": {"optimizer_impl": "foreach"}},
     "horizon-compile": {"kind": "horizon", "procs": 1, "model": {"compile": True}},
+    "horizon-sdpa": {"kind": "horizon", "procs": 1, "model": {"attention": "sdpa"}},
+    "horizon-jemalloc": {"kind": "horizon", "procs": 1, "preload": "jemalloc"},
+    "horizon-tcmalloc": {"kind": "horizon", "procs": 1, "preload": "tcmalloc"},
 }
+
+
+def find_allocator(name: str) -> str | None:
+    """The path of lib{name}.so* in the usual library folders, or None."""
+    import glob
+
+    for folder in ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib",
+                   "/usr/local/lib"):
+        hits = sorted(glob.glob(f"{folder}/lib{name}.so*")) + sorted(glob.glob(f"{folder}/lib{name}_minimal.so*"))
+        if hits:
+            return hits[0]
+    return None
 DEFAULT_ARMS = "lightning-32,lightning-bf16,lightning-ddp-32,horizon,horizon-2x1"
 
 
@@ -125,6 +140,12 @@ def run_arm(name: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     # a worker starts with the environment a user's shell would give it: no thread variables, so each framework's
     # own policy decides (Lightning: cores // processes; HorizonStrategy: pinned cores)
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    if ARMS[name].get("preload"):
+        lib = find_allocator(ARMS[name]["preload"])
+        if lib is None:
+            raise RuntimeError(f"arm {name}: lib{ARMS[name]['preload']}.so not found (apt-get install"
+                               f" lib{ARMS[name]['preload']}2 / google-perftools)")
+        env["LD_PRELOAD"] = lib
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
     try:

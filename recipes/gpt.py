@@ -15,6 +15,10 @@ import torch.nn.functional as F
 from torch import nn
 
 
+ATTENTIONS = ("auto", "sdpa", "manual")
+MANUAL_MAX_LEN = 256  # "auto" uses the manual path in bf16 up to this many tokens (see GPTConfig.attention)
+
+
 @dataclass
 class GPTConfig:
     """The model's shape. The named sizes in recipes/configs/ follow GPT-2/GPT-3 shapes (layers x width)."""
@@ -33,6 +37,12 @@ class GPTConfig:
     """Dropout on attention weights and residual branches (0 for pretraining on enough data)."""
     bias: bool = True
     """Biases in the Linear and LayerNorm layers."""
+    attention: str = "auto"
+    """``"sdpa"`` (``F.scaled_dot_product_attention``: torch's fused flash kernel on CPU), ``"manual"`` (two bf16
+    matmuls and a softmax) or ``"auto"``: manual for bf16 compute with sequences of up to 256 tokens, sdpa otherwise.
+    Measured on 2 Zen 5 cores (torch 2.13, forward + backward, 64-dim heads): in bf16 the flash kernel took 1.8-3x
+    the manual path's time up to 256 tokens (36.9 vs 20.9 ms at 16 x 6 heads x 256) and won from 512 on (281 vs
+    674 ms at 8 x 12 x 1024); in fp32 the flash kernel was as fast or faster at every length."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -43,6 +53,8 @@ class GPTConfig:
             raise ValueError(
                 f"GPTConfig(n_embd={self.n_embd}, n_head={self.n_head}): n_head must divide n_embd"
             )
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"GPTConfig(attention={self.attention!r}): allowed are {ATTENTIONS}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig(dropout={self.dropout!r}): allowed is a number in [0, 1)")
 
@@ -53,14 +65,26 @@ class CausalSelfAttention(nn.Module):
         # One (d, 3d) matmul instead of three (d, d): one larger GEMM keeps the CPU's vector units busier.
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
-        self.n_head, self.dropout = cfg.n_head, cfg.dropout
+        self.n_head, self.dropout, self.attention = cfg.n_head, cfg.dropout, cfg.attention
+        self.register_buffer("causal", torch.ones(cfg.block_size, cfg.block_size, dtype=torch.bool).triu(1),
+                             persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, self.n_head, d // self.n_head).permute(2, 0, 3, 1, 4)
-        # SDPA picks torch's fused CPU flash-attention kernel: no (t, t) score matrix is kept for backward.
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        p = self.dropout if self.training else 0.0
+        if self._manual(t, q.dtype):
+            att = (q @ k.transpose(-2, -1)).mul_(q.shape[-1] ** -0.5).masked_fill_(self.causal[:t, :t], float("-inf"))
+            y = F.dropout(att.softmax(-1), p, self.training) @ v
+        else:
+            # torch's fused CPU flash-attention kernel: no (t, t) score matrix is kept for backward
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
         return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+    def _manual(self, t: int, dtype: torch.dtype) -> bool:
+        if self.attention != "auto":
+            return self.attention == "manual"
+        return dtype == torch.bfloat16 and t <= MANUAL_MAX_LEN
 
 
 class MLP(nn.Module):

@@ -56,6 +56,7 @@ class GPTPretrain(L.LightningModule):
         block_size: longest context; the data's ``seq_len`` must not exceed it.
         vocab_size: vocabulary (256: bytes).
         dropout: dropout on attention and residual branches.
+        attention: ``"auto"``, ``"sdpa"`` or ``"manual"`` (see ``GPTConfig.attention``: measured per dtype and length).
         lr: peak learning rate.
         min_lr_ratio: the cosine decays to ``lr * min_lr_ratio`` at the last step.
         warmup_steps: linear warm-up steps.
@@ -74,6 +75,7 @@ class GPTPretrain(L.LightningModule):
         block_size: int = 256,
         vocab_size: int = VOCAB_SIZE,
         dropout: float = 0.0,
+        attention: str = "auto",
         lr: float = 2e-3,
         min_lr_ratio: float = 0.1,
         warmup_steps: int = 50,
@@ -92,7 +94,7 @@ class GPTPretrain(L.LightningModule):
             raise ValueError(f"GPTPretrain(warmup_steps={warmup_steps!r}): allowed is an int >= 0")
         self.save_hyperparameters()
         self.cfg = GPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head,
-                             n_embd=n_embd, dropout=dropout)
+                             n_embd=n_embd, dropout=dropout, attention=attention)
         self.model = GPT(self.cfg)
         self.val_ppl = Perplexity()
         self.flops_per_batch: Optional[int] = None  # read by ThroughputMonitor
@@ -113,8 +115,9 @@ class GPTPretrain(L.LightningModule):
             self.flops_per_batch = measure_flops(meta, lambda: meta(x), lambda y: y.float().sum())
 
     def configure_model(self) -> None:
-        if self.hparams.compile and not isinstance(self.model, torch._dynamo.eval_frame.OptimizedModule):
-            self.model = torch.compile(self.model)
+        if self.hparams.compile and not getattr(self, "_compiled", False):
+            self.model.compile()  # in place: state_dict keys stay free of torch.compile's "_orig_mod." prefix
+            self._compiled = True
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)

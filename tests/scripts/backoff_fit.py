@@ -80,7 +80,7 @@ def main() -> None:
     backoff = GradNormBackoff(max_norm=1.0, spike_threshold=1e4, factor=0.8, recover_after=2)
     model = Net(backoff)
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy="ddp", max_steps=max_steps, callbacks=[backoff], logger=False,
+        accelerator="cpu", devices=2, strategy="horizon", max_steps=max_steps, callbacks=[backoff], logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         default_root_dir=str(out), use_distributed_sampler=False,
     )

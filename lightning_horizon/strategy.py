@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import importlib
+import inspect
 import logging
 import os
 from datetime import timedelta
@@ -18,13 +19,16 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.strategy import Strategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_horizon import cpu, liveness
+from lightning_horizon import cpu, liveness, memory
 from lightning_horizon.checkpoint_io import AtomicCheckpointIO
 from lightning_horizon.rng import RNGState
 from lightning_horizon.sharding import GraphSharder, ShardingConfig, resolve_sharding
@@ -122,13 +126,19 @@ class HorizonStrategy(DDPStrategy):
                 f"ddp_comm_hook={kwargs['ddp_comm_hook']!r} with collectives={collectives!r}: give either your own"
                 " hook or the collectives options, not both"
             )
-        if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (int, float)) or not bucket_size_mb > 0:
-            raise ValueError(f"bucket_size_mb={bucket_size_mb!r}: must be a number > 0 (MiB per DDP bucket)")
+        if not _finite_positive(bucket_size_mb):
+            raise ValueError(f"bucket_size_mb={bucket_size_mb!r}: must be a finite number > 0 (MiB per DDP bucket)")
         if "bucket_cap_mb" in kwargs:
-            raise ValueError("bucket_cap_mb: pass bucket_size_mb= to HorizonStrategy instead (same meaning)")
+            value = kwargs["bucket_cap_mb"]
+            raise ValueError(f"bucket_cap_mb={value!r}: not accepted; pass bucket_size_mb= (same meaning, MiB > 0)")
+        _check_ddp_kwargs(kwargs)
         seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
-            raise ValueError(f"timeout={timeout!r}: must be > 0 (seconds, or a timedelta)")
+        if not _finite_positive(seconds):
+            raise ValueError(f"timeout={timeout!r}: must be a finite number of seconds > 0, or a timedelta")
+        if not isinstance(pin_cores, bool):
+            raise ValueError(f"pin_cores={pin_cores!r}: must be True or False")
+        if checkpoint_io is not None and not isinstance(checkpoint_io, CheckpointIO):
+            raise ValueError(f"checkpoint_io={checkpoint_io!r}: must be a lightning CheckpointIO or None (atomic)")
         if process_group_backend is not None and process_group_backend not in _BACKENDS:
             raise ValueError(
                 f"process_group_backend={process_group_backend!r}: allowed are {_BACKENDS} or None (auto)"
@@ -158,10 +168,16 @@ class HorizonStrategy(DDPStrategy):
         #: named parts with per-rank state (state_dict/load_state_dict) kept under one checkpoint key
         self._parts: dict[str, Any] = {"rng": RNGState()}
         self._loaded_parts: Optional[dict[str, Any]] = None
+        self._node_weights: Optional[dict[str, Any]] = None
         self._restored: set[str] = set()
         self._reported = False
 
     # ------------------------------------------------------------------ processes, groups, cores
+
+    @property
+    def sharder(self) -> Optional[GraphSharder]:
+        """The graph sharder (plan, budget, history) once setup created it; ``None`` without sharding."""
+        return self._parts.get("sharding")
 
     @property
     def _world_size_planned(self) -> int:
@@ -302,6 +318,11 @@ class HorizonStrategy(DDPStrategy):
             # One process: the base Strategy's setup (precision, optimizers) without DDP's wrapping and without
             # DDPStrategy's broadcast of module states, which needs a process group.
             Strategy.setup(self, trainer)
+        if self._node_weights is not None:
+            self.lightning_module.load_state_dict(self._node_weights)
+            self._node_weights = None
+        if self._sharding is None and trainer.state.fn == TrainerFn.FITTING:
+            self._check_memory()  # with sharding, the first plan checks this and the activations too
         if self._sharding is not None and "sharding" not in self._parts:
             # Plans at the first training_step (the first batch is what it profiles); all ranks of the node
             # share its memory.
@@ -313,6 +334,13 @@ class HorizonStrategy(DDPStrategy):
             if hasattr(part, "after_setup"):
                 part.after_setup()
         self._loaded_parts, self._restored = None, set()
+
+    def _check_memory(self) -> None:
+        """Fail at setup, on every rank, when gradients and optimizer state cannot fit (see memory.py)."""
+        assert self.topology is not None and self.lightning_module is not None
+        need = memory.training_memory(self.lightning_module, self.optimizers, self.precision_plugin)
+        row = memory.rank_row(self.global_rank, self.topology.node_rank, self.num_processes, need)
+        memory.check(self._all_gather_objects(row))  # every rank decides alike: none is left waiting
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
@@ -353,17 +381,48 @@ class HorizonStrategy(DDPStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         # Called on every rank; the parts' state differs per rank (RNG, error feedback, plans), so gather it
-        # all to rank 0, which writes the file.
+        # to rank 0, which writes the file.
+        sync = self._parts.get("collectives")
+        if sync is not None:
+            sync.settle_layout(self.model)  # the bucket layout the next step reduces in (collective on every rank)
         states = {name: part.state_dict() for name, part in self._parts.items()}
-        checkpoint[_CHECKPOINT_KEY] = {"world_size": self.world_size, "ranks": self._all_gather_objects(states)}
+        if self._nodes_diverge() and self.topology.local_rank == 0 and self.topology.node_rank > 0:
+            # Between local-SGD averages every node has its own weights, optimizer and precision state, and
+            # Lightning writes rank 0's: the first rank of every other node adds its node's (see load_checkpoint).
+            states["node"] = {k: checkpoint[k] for k in self._node_keys() if k in checkpoint}
+        ranks = self._gather_objects(states)
+        if ranks is not None:
+            checkpoint[_CHECKPOINT_KEY] = {"world_size": self.world_size, "ranks": ranks}
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        self._loaded_parts = checkpoint.get(_CHECKPOINT_KEY)
+        saved = self._loaded_parts = checkpoint.get(_CHECKPOINT_KEY)
         self._restore_parts()  # parts that exist already; the others are restored when setup creates them
+        if saved is not None and saved["world_size"] == self.world_size and self._nodes_diverge():
+            # Lightning restores the weights, optimizer and precision state from this dict: give it this node's.
+            node = saved["ranks"][self.topology.node_rank * self.topology.ranks_per_node].get("node")
+            if node:
+                checkpoint = {**checkpoint, **node}
+                # DDP's constructor broadcasts rank 0's weights: setup puts this node's back after it
+                self._node_weights = node.get("state_dict")
         return checkpoint
+
+    def _nodes_diverge(self) -> bool:
+        """Whether nodes hold different weights between steps (local SGD across several nodes)."""
+        return self.collectives_config.sync_every > 1 and self.topology is not None and self.topology.num_nodes > 1
+
+    def _node_keys(self) -> tuple[str, ...]:
+        return ("state_dict", "optimizer_states", type(self.precision_plugin).__qualname__)
+
+    def _gather_objects(self, obj: Any) -> Optional[list[Any]]:
+        """Every rank's ``obj`` on rank 0 (``None`` elsewhere): only rank 0 writes the checkpoint."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return [obj]
+        out: Optional[list[Any]] = [None] * dist.get_world_size() if self.global_rank == 0 else None
+        dist.gather_object(obj, out, dst=0)
+        return out
 
     def _restore_parts(self) -> None:
         """Give each existing part its saved state, once; parts created later get theirs when they appear."""
@@ -395,6 +454,30 @@ class HorizonStrategy(DDPStrategy):
             strategy_registry.register(
                 name, cls, description=f"HorizonStrategy with start_method={start_method!r}", start_method=start_method
             )
+
+
+def _finite_positive(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < float("inf")
+
+
+_START_METHODS = ("popen", "spawn", "fork", "forkserver")
+
+
+def _check_ddp_kwargs(kwargs: dict[str, Any]) -> None:
+    """The keywords HorizonStrategy hands on to DDPStrategy and DistributedDataParallel, checked by name now:
+    a misspelt one would otherwise fail in DDP's constructor, after every process has started."""
+    if "start_method" in kwargs and kwargs["start_method"] not in _START_METHODS:
+        raise ValueError(f"start_method={kwargs['start_method']!r}: allowed are {_START_METHODS}")
+    known = set(inspect.signature(DDPStrategy.__init__).parameters)
+    known |= set(inspect.signature(DistributedDataParallel.__init__).parameters)
+    known -= set(inspect.signature(HorizonStrategy.__init__).parameters)  # named, never in kwargs
+    known -= {"module", "device_ids", "bucket_cap_mb"}  # the strategy passes these itself
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise ValueError(
+            f"{unknown[0]}={kwargs[unknown[0]]!r}: not a HorizonStrategy, DDPStrategy or DistributedDataParallel"
+            f" argument; allowed extra keywords are {sorted(known)}"
+        )
 
 
 def _destroy_process_group() -> None:

@@ -29,12 +29,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpt.py, lm_data.py, 
 import lightning as L
 import torch
 import torch.nn.functional as F
-from jsonargparse import Namespace
 from lightning.fabric.utilities.throughput import measure_flops
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from torchmetrics.text import Perplexity
 
+from _cli import csv_logger_under, drop_unset_ddp_args, horizon_precision_default
 from gpt import GPT, GPTConfig
 from lm_data import VOCAB_SIZE, ByteCorpusDataModule
 from report import TrainingReport
@@ -160,15 +160,6 @@ class GPTPretrain(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-def horizon_precision_default() -> Optional[dict]:
-    """HorizonPrecision("auto") as a config entry, or None (plain fp32) where lightning_horizon.precision is absent."""
-    try:
-        import lightning_horizon.precision  # noqa: F401
-    except ImportError:
-        return None
-    return {"class_path": "lightning_horizon.precision.HorizonPrecision", "init_args": {"mode": "auto"}}
-
-
 TRAINER_DEFAULTS: dict[str, Any] = {
     "accelerator": "cpu",
     "devices": 1,
@@ -206,9 +197,8 @@ class HorizonCLI(LightningCLI):
         root = cfg.trainer.default_root_dir or TRAINER_DEFAULTS["default_root_dir"]
         if cfg.checkpoint.dirpath is None:
             cfg.checkpoint.dirpath = os.path.join(root, "checkpoints")
-        if cfg.trainer.logger in (None, True):
-            cfg.trainer.logger = Namespace(class_path="lightning.pytorch.loggers.CSVLogger",
-                                           init_args=Namespace(save_dir=root, name="logs"))
+        drop_unset_ddp_args(cfg.trainer.strategy)
+        csv_logger_under(cfg, root)
 
 
 def main(args: Optional[list[str]] = None) -> HorizonCLI:

@@ -64,6 +64,7 @@ class TrainingReport(Callback):
             self.val.append((trainer.global_step, float(m["val_loss"]), ppl))
 
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        log_dir = trainer.log_dir  # a broadcast under DDP: every rank must ask, before rank 0 goes on alone
         if trainer.global_rank != 0:
             return
         model = getattr(pl_module, "model", pl_module)
@@ -74,7 +75,7 @@ class TrainingReport(Callback):
             s["val_step"], s["val_loss"], s["val_ppl"] = self.val[-1]
         self.summary = s
         if self.plot and self.train:
-            self.png = self._plot(Path(trainer.log_dir or trainer.default_root_dir) / "loss_curve.png")
+            self.png = self._plot(Path(log_dir or trainer.default_root_dir) / "loss_curve.png")
         lines = [
             f"{params / 1e6:.2f}M parameters | {s['steps']} steps | {self.tokens:,} tokens in {self.seconds:.1f} s of"
             f" training steps (first {self.skip_first_steps} left out) | {s['tokens_per_sec']:,.0f} tokens/s",

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 import lightning as L
-from jsonargparse import Namespace
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -33,6 +32,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import BinaryAccuracy, BinaryAUROC
 
 from lightning_horizon import GradNormBackoff
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _cli import csv_logger_under, drop_unset_ddp_args, horizon_precision_default  # noqa: E402
 
 N_DENSE = 8
 ID_FIELDS = ("merchant", "region", "device")
@@ -263,20 +265,13 @@ class RiskModel(L.LightningModule):
                   flush=True)
 
 
-def _precision_default() -> Optional[dict]:
-    try:
-        import lightning_horizon.precision  # noqa: F401
-    except ImportError:
-        return None
-    return {"class_path": "lightning_horizon.precision.HorizonPrecision", "init_args": {"mode": "auto"}}
-
-
 TRAINER_DEFAULTS: dict[str, Any] = {
     "accelerator": "cpu",
     "devices": 1,
     "strategy": {"class_path": "lightning_horizon.HorizonStrategy"},
-    "plugins": _precision_default(),
+    "plugins": horizon_precision_default(),
     "max_epochs": 2,
+    "log_every_n_steps": 10,
     "num_sanity_val_steps": 0,
     "default_root_dir": "runs/risk_classifier",
     "enable_checkpointing": False,
@@ -289,9 +284,8 @@ class RiskCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         cfg = self.config[self.subcommand] if self.subcommand else self.config
-        if cfg.trainer.logger in (None, True):  # CSV logs under the run's directory
-            cfg.trainer.logger = Namespace(class_path="lightning.pytorch.loggers.CSVLogger",
-                                           init_args=Namespace(save_dir=cfg.trainer.default_root_dir, name="logs"))
+        drop_unset_ddp_args(cfg.trainer.strategy)
+        csv_logger_under(cfg, cfg.trainer.default_root_dir)  # CSV logs under the run's directory
 
 
 def main(args: Optional[list[str]] = None) -> LightningCLI:

@@ -86,6 +86,21 @@ def test_tiny_pretrain_trains_logs_and_resumes(tmp_path, cache_dir):
     assert report2.train[0][0] == 1 and report2.train[-1][0] == 70  # history from step 1, restored
 
 
+def test_tiny_pretrain_two_ranks_logs_per_rank_memory(tmp_path, cache_dir):
+    root = tmp_path / "run2"
+    out = run_script(REPO / "recipes" / "pretrain_gpt.py", [
+        "fit", "--config", TINY, "--data.cache_dir", str(cache_dir), "--trainer.default_root_dir", str(root),
+        "--trainer.enable_progress_bar", "false", "--trainer.devices", "2", "--trainer.max_steps", "20",
+        "--trainer.val_check_interval", "20", "--memory.log_every_n_steps", "5", "--comm.summary_every_n_steps", "10",
+    ], timeout=120).stdout
+    assert "=== pretrain summary ===" in out and "perplexity" in out
+    assert "rank0 RSS" in out and "rank1 RSS" in out  # the memory summary covers both ranks
+    m = _metrics(next(root.glob("logs/version_*/metrics.csv")))
+    assert "mem/rank1/rss_mib" in m and "train/device/items_per_sec" in m
+    # the comm monitor logs the collectives' accounting where the strategy keeps one, else says so once
+    assert ("comm/seconds" in m) != ("exposes no communication accounting" in out)
+
+
 def test_default_run_is_the_readme_job():
     # `python recipes/pretrain_gpt.py` with no arguments means `fit` with the signature defaults
     parser_defaults = pretrain_gpt.TRAINER_DEFAULTS
@@ -224,7 +239,7 @@ def test_monitor_arguments_are_checked():
 def test_bench_smoke(tmp_path, cache_dir):
     out = run_script(REPO / "recipes" / "bench_vs_lightning.py",
                      ["--config", TINY, "--arms", "lightning-32,horizon", "--steps", "3", "--warmup", "1",
-                      "--rounds", "1", "--cache-dir", str(cache_dir), "--json", str(tmp_path / "b.json")],
+                      "--rounds", "1", "--retries", "0", "--peak-seconds", "0.2", "--cache-dir", str(cache_dir), "--json", str(tmp_path / "b.json")],
                      timeout=120).stdout
     assert "| horizon " in out and "| lightning-32 " in out and "MFU" in out
     import json

@@ -16,6 +16,7 @@ from typing import Any
 import lightning.pytorch as pl
 import psutil
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
@@ -34,6 +35,15 @@ def memory_now() -> dict[str, float]:
         "peak_rss_mib": peak_bytes / _MIB,
         "available_mib": psutil.virtual_memory().available / _MIB,
     }
+
+
+def _all_gather(t: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's ``t`` (plain torch.distributed: Lightning's all_gather goes through a deprecated autograd op)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [t]
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return out
 
 
 class MemoryMonitor(Callback):
@@ -67,8 +77,7 @@ class MemoryMonitor(Callback):
         self._last_step = step
         mine = memory_now()
         local = torch.tensor([mine[k] for k in _FIELDS], dtype=torch.float64)
-        gathered = trainer.strategy.all_gather(local)  # (world, 3), or (3,) in one process
-        rows = gathered.reshape(-1, len(_FIELDS)).tolist()
+        rows = [r.tolist() for r in _all_gather(local)]
         self.last = [dict(zip(_FIELDS, r)) for r in rows]
         metrics = {f"mem/{k}": max(r[k] for r in self.last) for k in _FIELDS}
         metrics["mem/available_mib"] = min(r["available_mib"] for r in self.last)  # the tightest machine

@@ -62,8 +62,8 @@ class CollectivesConfig:
         _positive_int("sync_warmup_steps", self.sync_warmup_steps, minimum=0)
         _positive_int("int8_block", self.int8_block, minimum=1)
         chunk = self.pipeline_chunk_mb
-        if isinstance(chunk, bool) or not isinstance(chunk, (int, float)) or not chunk > 0:
-            raise ValueError(f"pipeline_chunk_mb={chunk!r}: must be a number > 0 (MiB)")
+        if isinstance(chunk, bool) or not isinstance(chunk, (int, float)) or not 0 < chunk < float("inf"):
+            raise ValueError(f"pipeline_chunk_mb={chunk!r}: must be a finite number > 0 (MiB)")
         if self.sync_every > 1 and self.compression is not None:
             raise ValueError(
                 f"compression={self.compression!r} with sync_every={self.sync_every}: compression applies to the"

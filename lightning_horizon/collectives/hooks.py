@@ -25,6 +25,7 @@ from lightning_horizon.collectives.comm import Comm
 from lightning_horizon.collectives.compression import Codec, ErrorFeedback
 from lightning_horizon.collectives.config import CollectivesConfig
 from lightning_horizon.collectives.cost_model import CostModel
+from lightning_horizon.collectives.layout import BucketLayout
 from lightning_horizon.collectives.local_sgd import PeriodicSync
 from lightning_horizon.collectives.probe import probe
 from lightning_horizon.topology import ProcessGroups
@@ -64,6 +65,14 @@ class GradientSync:
             else None
         )
         self._overlapped_seconds: list[float] = []  # appended by flat allreduce continuations (worker threads)
+        #: the bucket layout reduced in, kept through checkpoints (see layout.py)
+        self.layout = BucketLayout(named)
+        # The order gradients become ready in the first backward: DDP rebuilds its buckets from it, and a
+        # checkpoint written before the rebuilt buckets were first used reads their layout from it.
+        self._ready: list[str] = []
+        self._ready_hooks = [
+            p.register_post_accumulate_grad_hook(lambda p, n=n: self._ready.append(n)) for n, p in named
+        ]
 
         self.cost_model: Optional[CostModel] = None
         self._choices: dict[int, tuple[str, int]] = {}
@@ -116,7 +125,25 @@ class GradientSync:
         return self._choices[numel]
 
     def reduce(self, bucket: dist.GradBucket) -> torch.futures.Future:
-        """Average the bucket's gradients over the world (or over the node between local-SGD averages)."""
+        """Average the bucket's gradients over the world (or over the node between local-SGD averages).
+
+        After a restart, a bucket that holds several of the checkpoint's buckets (DDP's first iteration puts
+        every parameter in one) is reduced as those, one by one, so the step repeats the uninterrupted run's.
+        """
+        names = self.layout.names(bucket)
+        pieces = self.layout.pieces(bucket, names)
+        if pieces is None:
+            self.layout.record(names, bucket.is_last())
+            return self._reduce(bucket)
+        buf = bucket.buffer()
+        for piece in pieces:
+            piece.load(buf)
+            self._reduce(piece).wait()
+            piece.store(buf)
+            self.layout.record(self.layout.names(piece), piece.is_last())
+        return _completed(buf)
+
+    def _reduce(self, bucket: Any) -> torch.futures.Future:
         buf = bucket.buffer()
         if self.periodic is not None:
             self.periodic.gradients_reduced()
@@ -131,15 +158,20 @@ class GradientSync:
             return self._flat_overlapped(buf)
         start = time.perf_counter()
         world_size = self.topology.world_size
+        # Compression sums and feeds back in fp32: a bucket of bf16 gradients (bf16-true weights) is reduced
+        # in an fp32 copy and rounded once at the end.
+        x = buf if self.codec is None or buf.dtype == torch.float32 else buf.float()
         if self.error_feedback is not None:
             residual = self.error_feedback.gather(bucket)
             if residual is not None:
-                buf.add_(residual)  # the buffer is overwritten by the result anyway
+                x.add_(residual)  # the buffer is overwritten by the result anyway
         if algorithm == "flat":
-            error = algorithms.flat(buf, self.world, self.codec, world_size)
+            error = algorithms.flat(x, self.world, self.codec, world_size)
         else:
             row, col = (self.intra, self.inter) if algorithm == "hierarchical" else (self.row, self.col)
-            error = algorithms.two_level(buf, row, col, self.codec, chunk, world_size)
+            error = algorithms.two_level(x, row, col, self.codec, chunk, world_size)
+        if x is not buf:
+            buf.copy_(x)
         if self.error_feedback is not None:
             self.error_feedback.scatter(bucket, error)
         self.accounting.add_seconds(time.perf_counter() - start)
@@ -163,6 +195,11 @@ class GradientSync:
 
     def after_optimizer_step(self) -> None:
         """Close the step: periodic parameter average (local SGD), then the step's accounting."""
+        if self._ready_hooks and self._ready:
+            for handle in self._ready_hooks:  # one backward's order is all DDP's rebuild uses
+                handle.remove()
+            self._ready_hooks = []
+            self._ready = list(dict.fromkeys(self._ready))
         if self.periodic is not None:
             start = time.perf_counter()
             if self.periodic.after_optimizer_step():
@@ -184,14 +221,39 @@ class GradientSync:
             out["comm/param_syncs"] = float(self.periodic.syncs)
         return out
 
+    def settle_layout(self, ddp: Any) -> None:
+        """Before a checkpoint: make sure the layout saved is the one the next step reduces in.
+
+        After the first backward of a fresh run, DDP has not used its rebuilt buckets yet (it rebuilds them at
+        the next forward). Have it rebuild them now and read their layout from their sizes and the gradient
+        order they were built from; without it, a run resumed from this checkpoint would reduce its first step
+        in one bucket where the uninterrupted run had the rebuilt ones.
+        """
+        if self.layout.backwards != 1 or self.layout.restored or not self._ready:
+            return
+        reducer = getattr(ddp, "reducer", None)
+        try:
+            if reducer is None or not reducer._rebuild_buckets():  # False: DDP does not rebuild (or did already)
+                return
+            sizes = [b.buffer().numel() for b in reducer._get_zeros_like_grad_buckets()]
+        except (AttributeError, RuntimeError) as err:  # private Reducer methods of torch 2.x
+            self._info(f"collectives: could not read DDP's rebuilt buckets ({err}); the checkpoint keeps the first")
+            return
+        if not self.layout.derive(list(dict.fromkeys(self._ready)), sizes):
+            self._info("collectives: DDP's rebuilt buckets do not follow the gradient order; the checkpoint keeps"
+                       " the first step's layout")
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "algorithm": self.config.algorithm,
+            "layout": self.layout.state_dict(),
             "error_feedback": self.error_feedback.state_dict() if self.error_feedback else None,
             "periodic": self.periodic.state_dict() if self.periodic else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("layout"):
+            self.layout.load_state_dict(state["layout"])
         for name, part in (("error_feedback", self.error_feedback), ("periodic", self.periodic)):
             saved = state.get(name)
             if part is not None and saved is not None:

@@ -11,6 +11,7 @@ budget comes from, in order of precedence:
 The fair share is this rank's own RSS plus the node's free memory divided by the ranks on the node. Free
 memory is the tighter of the cgroup limit (v2 ``memory.max``, or v1 ``memory.limit_in_bytes``, minus the
 cgroup's usage) and ``psutil.virtual_memory().available``: in a container the cgroup is the real wall.
+``HORIZON_AVAILABLE_MEMORY`` (bytes) overrides it. Budgets 2 and 3 follow the free memory during training.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ class ShardingConfig:
         if b is not None:
             if isinstance(b, bool) or not isinstance(b, (int, float)):
                 raise ValueError(f"budget={b!r}: must be an int (bytes), a float in (0, 1] (fraction) or None (auto)")
-            if b <= 0:
+            if not b > 0:  # NaN too
                 raise ValueError(f"budget={b!r}: must be > 0 (bytes as an int, or a fraction in (0, 1])")
             if isinstance(b, float) and b > 1:
                 raise ValueError(
@@ -200,15 +201,31 @@ def cgroup_free() -> Optional[int]:
     return best
 
 
+#: Environment variable that overrides the node's free memory as :func:`node_free_memory` sees it, in bytes: for
+#: a node whose real limit the probe cannot see (a container without its cgroup mounted, memory promised to other
+#: jobs), and for tests, which lower it to put a run under memory pressure without exhausting anything.
+AVAILABLE_MEMORY_ENV = "HORIZON_AVAILABLE_MEMORY"
+
+
+def node_free_memory() -> int:
+    """Bytes the node can still give: the tighter of the cgroup's room and the kernel's available memory, or
+    ``HORIZON_AVAILABLE_MEMORY`` when it is set."""
+    override = os.environ.get(AVAILABLE_MEMORY_ENV)
+    if override is not None:
+        value = int(override) if override.strip().isdigit() else -1
+        if value < 0:
+            raise ValueError(f"{AVAILABLE_MEMORY_ENV}={override!r}: must be an int >= 0 (bytes free on the node)")
+        return value
+    free = psutil.virtual_memory().available
+    limit = cgroup_free()
+    return free if limit is None else min(free, limit)
+
+
 def fair_share(local_world_size: int = 1) -> int:
     """This rank's share of the node: its own RSS plus the free memory divided by the ranks on the node."""
     if isinstance(local_world_size, bool) or not isinstance(local_world_size, int) or local_world_size < 1:
         raise ValueError(f"local_world_size={local_world_size!r}: must be an int >= 1")
-    free = psutil.virtual_memory().available
-    limit = cgroup_free()
-    if limit is not None:
-        free = min(free, limit)
-    return current_rss() + free // local_world_size
+    return current_rss() + node_free_memory() // local_world_size
 
 
 def resolve_budget(config: ShardingConfig, local_world_size: int = 1) -> int:
@@ -260,6 +277,8 @@ __all__ = [
     "resolve_sharding",
     "resolve_budget",
     "fair_share",
+    "node_free_memory",
+    "AVAILABLE_MEMORY_ENV",
     "cgroup_free",
     "current_rss",
     "peak_rss",

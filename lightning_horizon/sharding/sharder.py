@@ -7,7 +7,9 @@ Lifecycle (the strategy calls these; a plain training loop can too):
   pending re-plan, at the step boundary, where no activation is alive.
 - ``after_step()`` after every optimizer step: reads the RSS high-water mark of the step, resets it, and
   decides whether the next step needs a re-plan (tighter above ``headroom``, looser after ``relax_after``
-  steps below ``relax_below``). Every decision that changes something is logged with its reason.
+  steps below ``relax_below``). An ``auto`` or fractional budget is resolved again from the node's free memory,
+  and a budget that fell below the plan re-plans too (``set_budget`` does the same for a budget in bytes).
+  Every decision that changes something is logged with its reason.
 - ``uninstall()`` at teardown: every patched ``forward`` is restored; the model is as it was.
 - ``state_dict()`` / ``load_state_dict()``: plan, calibration and history, so a resumed run recomputes the
   same calls (same memory, same speed) without having to re-learn them.
@@ -108,6 +110,7 @@ class GraphSharder:
         self._grads_in_forward = False
         self._stepped = False  # a training_step ran since the last after_step
         self._loaded: Optional[dict[str, Any]] = None
+        self._early_budget: Optional[int] = None
 
     # ------------------------------------------------------------------ the strategy's calls
 
@@ -139,6 +142,9 @@ class GraphSharder:
         assert budget is not None and self.fixed is not None
         if not cfg.adaptive:
             return
+        if not isinstance(cfg.budget, int) and self._follow_free_memory():
+            return  # re-plans at the next boundary for the new budget
+        budget = self.budget
         estimated = max(1, plan.estimated_peak - self.fixed)
         ratio = max(0.0, (peak - self.fixed) / estimated)  # measured / estimated activation memory
         if peak > cfg.headroom * budget:
@@ -174,6 +180,33 @@ class GraphSharder:
                 self._low_steps, self._low_ratio = 0, 0.0
         else:
             self._low_steps, self._low_ratio = 0, 0.0
+
+    def set_budget(self, budget: int, reason: str = "budget set") -> bool:
+        """Change the budget (bytes) during training. When the current plan no longer fits under ``headroom`` of
+        it, the next step boundary re-plans with more recompute (True); otherwise the plan stays (False). An
+        ``auto`` or fractional budget goes on following the node's free memory from there."""
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
+            raise ValueError(f"budget={budget!r}: must be an int > 0 (bytes)")
+        old, self.budget = self.budget, budget
+        self._low_steps, self._low_ratio = 0, 0.0
+        if self.plan is None:
+            self._early_budget = budget
+        if self.plan is None or self.plan.estimated_peak <= self.config.headroom * budget:
+            log.info(f"sharding[rank {self.rank}] step {self.steps}: {reason}: budget {fmt_bytes(old or 0)} ->"
+                     f" {fmt_bytes(budget)}; the plan still fits")
+            return False
+        self._pending = (f"{reason}: budget {fmt_bytes(old or 0)} -> {fmt_bytes(budget)}, below the plan's"
+                         f" estimated peak {fmt_bytes(self.plan.estimated_peak)}: more recompute", self.scale)
+        return True
+
+    def _follow_free_memory(self) -> bool:
+        """An ``auto`` or fractional budget follows the node's free memory (another job starting, a cgroup limit
+        lowered): re-resolved after every step, changed when it moved by more than 5%."""
+        assert self.budget is not None
+        fresh = resolve_budget(self.config, self.local_world_size)
+        if abs(fresh - self.budget) <= 0.05 * self.budget:
+            return False
+        return self.set_budget(fresh, f"the node's free memory {'fell' if fresh < self.budget else 'rose'}")
 
     def after_optimizer_step(self) -> None:
         """HorizonStrategy's part hook, called after every optimizer step."""
@@ -216,7 +249,8 @@ class GraphSharder:
         self.uninstall()
         self.module = module
         resident = current_rss()  # before profiling: a real profiling pass leaves freed heap behind
-        self.budget = resolve_budget(self.config, self.local_world_size)
+        early, self._early_budget = self._early_budget, None  # set_budget before the first step
+        self.budget = early or resolve_budget(self.config, self.local_world_size)
         optimizers = self._optimizers
         if optimizers is None:
             trainer = getattr(module, "_trainer", None)

@@ -23,6 +23,7 @@ from lightning_horizon import HorizonStrategy
 from lightning_horizon.collectives import CollectivesConfig, CostModel, Link
 from lightning_horizon.collectives import cost_model as cm
 from lightning_horizon.collectives.compression import Codec, ErrorFeedback
+from tests.fake_bucket import FakeBucket
 from tests.launch import REPO, run_script
 
 SCRIPTS = REPO / "tests" / "scripts"
@@ -161,41 +162,20 @@ def test_int8_codec_error_is_within_half_a_step_and_keeps_overflow_visible():
     assert ((bf16.decode(bf16.encode(y), 64) - y).abs() <= y.abs() * 2**-8).all()
 
 
-class _Bucket:
-    """The parts of torch's GradBucket that ErrorFeedback reads."""
-
-    def __init__(self, params: list[torch.Tensor]) -> None:
-        self._params = params
-        self._buffer = torch.zeros(sum(p.numel() for p in params))
-        self._grads, offset = [], 0
-        for p in params:
-            self._grads.append(self._buffer[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
-
-    def buffer(self):
-        return self._buffer
-
-    def parameters(self):
-        return self._params
-
-    def gradients(self):
-        return self._grads
-
-
 def test_error_feedback_follows_parameters_across_a_bucket_rebuild():
     a, b = torch.nn.Parameter(torch.zeros(2, 3)), torch.nn.Parameter(torch.zeros(5))
     ef = ErrorFeedback([("a", a), ("b", b)])
-    assert ef.gather(_Bucket([a, b])) is None  # nothing fed back yet
-    ef.scatter(_Bucket([a, b]), torch.arange(11.0))  # iteration 0: one bucket [a, b]
+    assert ef.gather(FakeBucket([a, b])) is None  # nothing fed back yet
+    ef.scatter(FakeBucket([a, b]), torch.arange(11.0))  # iteration 0: one bucket [a, b]
     # After the rebuild: [b] and [a] in their own buckets, in the other order.
-    assert torch.equal(ef.gather(_Bucket([b])), torch.arange(6.0, 11.0))
-    assert torch.equal(ef.gather(_Bucket([a])), torch.arange(6.0))
+    assert torch.equal(ef.gather(FakeBucket([b])), torch.arange(6.0, 11.0))
+    assert torch.equal(ef.gather(FakeBucket([a])), torch.arange(6.0))
     state = ef.state_dict()
     fresh = ErrorFeedback([("a", a), ("b", b)])
     fresh.load_state_dict(state)
-    assert torch.equal(fresh.gather(_Bucket([b, a])), torch.cat([torch.arange(6.0, 11.0), torch.arange(6.0)]))
-    ef.scatter(_Bucket([a]), None)  # consumed without compression: zero
-    assert ef.gather(_Bucket([a])) is None
+    assert torch.equal(fresh.gather(FakeBucket([b, a])), torch.cat([torch.arange(6.0, 11.0), torch.arange(6.0)]))
+    ef.scatter(FakeBucket([a]), None)  # consumed without compression: zero
+    assert ef.gather(FakeBucket([a])) is None
     with pytest.raises(ValueError, match="shape"):
         fresh.load_state_dict({"residual": {"a": torch.zeros(3)}})
 

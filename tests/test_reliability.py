@@ -27,6 +27,7 @@ from lightning_horizon.collectives.layout import BucketLayout
 from lightning_horizon.memory import InsufficientMemoryError
 from lightning_horizon.sharding import GraphSharder, ShardingConfig
 from lightning_horizon.sharding.budget import AVAILABLE_MEMORY_ENV, current_rss, node_free_memory
+from tests.fake_bucket import FakeBucket
 from tests.launch import REPO, run_script
 
 # ---------------------------------------------------------------------- 4. bad parameters (docs/reliability.md)
@@ -282,41 +283,17 @@ def _tensors(obj):
 # ---------------------------------------------------------------------- the bucket layout kept through a restart
 
 
-class _Bucket:
-    """What DDP's GradBucket offers a comm hook: a flat buffer and the parameters' views into it."""
-
-    def __init__(self, params: list[torch.Tensor], last: bool = True) -> None:
-        self._params, self._last = params, last
-        self._buffer = torch.arange(float(sum(p.numel() for p in params)))
-        self._grads, offset = [], 0
-        for p in params:
-            self._grads.append(self._buffer[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
-
-    def buffer(self):
-        return self._buffer
-
-    def parameters(self):
-        return self._params
-
-    def gradients(self):
-        return self._grads
-
-    def is_last(self):
-        return self._last
-
-
 def test_bucket_layout_cuts_ddps_first_bucket_into_the_saved_ones():
     a, b, c = torch.zeros(2, 3), torch.zeros(4), torch.zeros(5)
     named = [("a", a), ("b", b), ("c", c)]
     saved = BucketLayout(named)
-    for bucket in (_Bucket([c, b], last=False), _Bucket([a])):  # DDP's rebuilt buckets, gradient order
+    for bucket in (FakeBucket([c, b], last=False), FakeBucket([a])):  # DDP's rebuilt buckets, gradient order
         saved.record(saved.names(bucket), bucket.is_last())
     assert saved.state_dict() == [["c", "b"], ["a"]]
 
     resumed = BucketLayout(named)
     resumed.load_state_dict(saved.state_dict())
-    first = _Bucket([a, b, c])  # a fresh DDP's first iteration: one bucket, parameter order
+    first = FakeBucket([a, b, c])  # a fresh DDP's first iteration: one bucket, parameter order
     pieces = resumed.pieces(first, resumed.names(first))
     assert [resumed.names(p) for p in pieces] == [["c", "b"], ["a"]] and [p.is_last() for p in pieces] == [False, True]
     for piece in pieces:
@@ -325,7 +302,7 @@ def test_bucket_layout_cuts_ddps_first_bucket_into_the_saved_ones():
     pieces[0].buffer().neg_()
     pieces[0].store(first.buffer())
     assert torch.equal(first.buffer(), torch.tensor([0.0, 1, 2, 3, 4, 5, -6, -7, -8, -9, -10, -11, -12, -13, -14]))
-    rebuilt = _Bucket([c, b], last=False)
+    rebuilt = FakeBucket([c, b], last=False)
     assert resumed.pieces(rebuilt, resumed.names(rebuilt)) is None  # DDP has the saved layout again: no cut
 
     derived = BucketLayout(named)  # a checkpoint after the first step: DDP's rebuilt sizes + gradient order

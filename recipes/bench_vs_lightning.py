@@ -58,6 +58,10 @@ ARMS: dict[str, dict[str, Any]] = {
     "horizon-sdpa": {"kind": "horizon", "procs": 1, "model": {"attention": "sdpa"}},
     "horizon-nopin": {"kind": "horizon", "procs": 1, "strategy": {"pin_cores": False}},
     "horizon-jemalloc": {"kind": "horizon", "procs": 1, "preload": "jemalloc"},
+    # jemalloc with the settings intel-extension-for-pytorch's launcher uses: never hand pages back to the OS
+    "horizon-jemalloc-retain": {"kind": "horizon", "procs": 1, "preload": "jemalloc", "env": {
+        "MALLOC_CONF": "oversize_threshold:1,background_thread:true,metadata_thp:auto,dirty_decay_ms:-1,"
+                       "muzzy_decay_ms:-1"}},
     "horizon-tcmalloc": {"kind": "horizon", "procs": 1, "preload": "tcmalloc"},
 }
 
@@ -143,6 +147,10 @@ def worker(args: argparse.Namespace) -> None:
     data = ByteCorpusDataModule(**data_kw)
     trainer = L.Trainer(**_trainer_kwargs(arm, args.warmup + args.steps, Timer()))
     trainer.fit(model, data)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # Lightning's DDPStrategy leaves its gloo group to interpreter exit, where gloo's threads can abort the
+        # process ("terminate called without an active exception")
+        torch.distributed.destroy_process_group()
 
 
 # ---------------------------------------------------------------------------------------------- driver side
@@ -173,6 +181,7 @@ def run_arm(name: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
             raise RuntimeError(f"arm {name}: lib{ARMS[name]['preload']}.so not found (apt-get install"
                                f" lib{ARMS[name]['preload']}2 / google-perftools)")
         env["LD_PRELOAD"] = lib
+    env.update(ARMS[name].get("env", {}))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
     try:
@@ -294,14 +303,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     finished = time.strftime("%Y-%m-%d %H:%M:%S")
     print(f"\nmatmul peak measured here ({len(os.sched_getaffinity(0))} threads, best seen): fp32"
           f" {peaks['fp32'] / 1e9:.1f} GFLOP/s, bf16 {peaks['bf16'] / 1e9:.1f} GFLOP/s | {started} .. {finished}")
-    header = (f"| {'arm':<18} | procs x threads | tokens/s (min-max)     | vs best Lightning | vs Lightning bf16 |"
+    header = (f"| {'arm':<23} | procs x threads | tokens/s (min-max)     | vs best Lightning | vs Lightning bf16 |"
               f" MFU fp32 peak | MFU bf16 peak | peak RSS MiB | final loss | others' load |")
     print(header)
     print("|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|")
     for r in rows:
         vs_best = f"{r['tokens_per_sec'] / best['tokens_per_sec']:.2f}x" if best else "-"
         vs_bf16 = f"{r['tokens_per_sec'] / bf16['tokens_per_sec']:.2f}x" if bf16 else "-"
-        print(f"| {r['arm']:<18} | {r['procs']} x {r['threads']:<11} | {r['tokens_per_sec']:>8,.0f}"
+        print(f"| {r['arm']:<23} | {r['procs']} x {r['threads']:<11} | {r['tokens_per_sec']:>8,.0f}"
               f" ({r['min']:>6,.0f}-{r['max']:<6,.0f}) | {vs_best:>17} | {vs_bf16:>17} | {100 * r['mfu_fp32']:>12.0f}%"
               f" | {100 * r['mfu_bf16']:>12.0f}% | {r['peak_rss_mib']:>12,.0f} | {r['final_loss']:>10.4f} |"
               f" {100 * r['foreign']:>11.0f}% |")

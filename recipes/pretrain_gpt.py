@@ -202,9 +202,8 @@ class HorizonCLI(LightningCLI):
 
 
 def main(args: Optional[list[str]] = None) -> HorizonCLI:
-    argv = sys.argv[1:] if args is None else list(args)
-    if not argv:
-        argv = ["fit"]  # the README job: `python recipes/pretrain_gpt.py` trains with the defaults
+    # no arguments at all is the README job: `python recipes/pretrain_gpt.py` trains with the defaults
+    argv = (["fit"] if len(sys.argv) == 1 else None) if args is None else list(args)  # None: LightningCLI reads argv
     if horizon_precision_default() is None:
         log.info("pretrain_gpt: lightning_horizon.precision is not installed; training in fp32")
     return HorizonCLI(

@@ -289,9 +289,9 @@ class RiskCLI(LightningCLI):
 
 
 def main(args: Optional[list[str]] = None) -> LightningCLI:
-    argv = sys.argv[1:] if args is None else list(args)
+    argv = (["fit"] if len(sys.argv) == 1 else None) if args is None else list(args)  # None: LightningCLI reads argv
     return RiskCLI(RiskModel, RiskDataModule, trainer_defaults=TRAINER_DEFAULTS, seed_everything_default=7,
-                        save_config_kwargs={"overwrite": True}, args=argv or ["fit"])
+                        save_config_kwargs={"overwrite": True}, args=argv)
 
 
 if __name__ == "__main__":

@@ -124,16 +124,12 @@ BAD = [
     (ThroughputMFUMonitor, {"summary_every_n_steps": -1}, "summary_every_n_steps", -1, "int >= 0"),
     (ThroughputMFUMonitor, {"peak_flops": -1}, "peak_flops", -1, "number > 0 or None"),
     (ThroughputMFUMonitor, {"peak_matmul_sizes": (32,)}, "peak_matmul_sizes", (32,), "ints >= 64"),
-]
-# Not validated yet in lightning_horizon/callbacks/throughput.py (owned by the monitors' work): listed so that
-# the table is complete; they pass once that file checks them.
-_MONITOR_GAPS = [
     (ThroughputMFUMonitor, {"peak_flops": "x"}, "peak_flops", "x", "number > 0 or None"),
     (ThroughputMFUMonitor, {"peak_flops": True}, "peak_flops", True, "number > 0 or None"),
     (ThroughputMFUMonitor, {"prog_bar": "x"}, "prog_bar", "x", "True or False"),
     (ThroughputMFUMonitor, {"batch_size_fn": 3}, "batch_size_fn", 3, "callable"),
+    (ThroughputMFUMonitor, {"length_fn": "len"}, "length_fn", "len", "callable"),
 ]
-_GAP = pytest.mark.xfail(reason="ThroughputMFUMonitor does not check this argument yet", strict=False)
 
 
 def _id(row) -> str:
@@ -143,8 +139,7 @@ def _id(row) -> str:
 
 @pytest.mark.parametrize(
     ("owner", "build", "name", "value", "allowed"),
-    [pytest.param(*row, id=_id(row)) for row in BAD] + [pytest.param(*row, id=_id(row), marks=_GAP)
-                                                        for row in _MONITOR_GAPS],
+    [pytest.param(*row, id=_id(row)) for row in BAD],
 )
 def test_bad_parameter_fails_early_naming_parameter_value_and_allowed(owner, build, name, value, allowed):
     threads = threading.active_count()

@@ -106,8 +106,14 @@ class ThroughputMFUMonitor(ThroughputMonitor):
                                         for n in peak_matmul_sizes):
             raise ValueError(f"ThroughputMFUMonitor(peak_matmul_sizes={peak_matmul_sizes!r}): allowed is a non-empty"
                              " sequence of ints >= 64")
-        if peak_flops is not None and not peak_flops > 0:
+        if peak_flops is not None and (isinstance(peak_flops, bool) or not isinstance(peak_flops, (int, float))
+                                       or not peak_flops > 0):
             raise ValueError(f"ThroughputMFUMonitor(peak_flops={peak_flops!r}): allowed is a number > 0 or None")
+        if not isinstance(prog_bar, bool):
+            raise ValueError(f"ThroughputMFUMonitor(prog_bar={prog_bar!r}): allowed is True or False")
+        for name, fn in (("batch_size_fn", batch_size_fn), ("length_fn", length_fn)):
+            if fn is not None and not callable(fn):
+                raise ValueError(f"ThroughputMFUMonitor({name}={fn!r}): allowed is a callable(batch) -> int or None")
         super().__init__(batch_size_fn or _batch_size, length_fn or _batch_tokens, window_size=window_size)
         self.peak_flops_given = peak_flops
         self.summary_every_n_steps, self.prog_bar = summary_every_n_steps, prog_bar

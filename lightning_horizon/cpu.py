@@ -25,6 +25,13 @@ _START_AFFINITY: Optional[frozenset[int]] = (
 
 _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
+#: oneDNN runs torch's bf16 matmuls. Capped (``ONEDNN_MAX_CPU_ISA``, formerly ``DNNL_MAX_CPU_ISA``) at one of
+#: these it has no bf16 dot-product instruction and emulates them (measured here: 2.7 against 98 GFLOP/s fp32 at
+#: AVX2), whatever the CPU has: the cap is how a CPU without native bf16 is reproduced on one with it.
+ONEDNN_ISA_VARS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+_ONEDNN_WITHOUT_BF16 = frozenset({"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE",
+                                  "AVX512_CORE_VNNI"})
+
 
 @dataclass(frozen=True)
 class ISA:
@@ -36,11 +43,13 @@ class ISA:
     amx: bool
     arm_bf16: bool
     torch_capability: str  # what torch's dispatcher uses: "DEFAULT", "AVX2", "AVX512", ...
+    onednn_cap: str = ""  # ONEDNN_MAX_CPU_ISA when set, upper-cased: caps the ISA of torch's matmuls
 
     @property
     def native_bf16(self) -> bool:
-        """bf16 matmuls run in hardware (AVX512-BF16, AMX, Arm BF16); elsewhere they are emulated and slow."""
-        return self.avx512_bf16 or self.amx or self.arm_bf16
+        """bf16 matmuls run in hardware (AVX512-BF16, AMX, Arm BF16) and oneDNN is not capped below them;
+        elsewhere they are emulated and slow."""
+        return (self.avx512_bf16 or self.amx or self.arm_bf16) and self.onednn_cap not in _ONEDNN_WITHOUT_BF16
 
     @property
     def name(self) -> str:
@@ -56,7 +65,8 @@ class ISA:
         """torch's kernel level plus the bf16 extensions, for log lines: e.g. "AVX512 + AVX512-BF16"."""
         extras = [label for flag, label in ((self.avx512_bf16, "AVX512-BF16"), (self.amx, "AMX-BF16"),
                                             (self.arm_bf16, "ARM-BF16")) if flag]
-        return " + ".join([self.torch_capability, *extras])
+        capped = f" (oneDNN capped at {self.onednn_cap})" if self.onednn_cap else ""
+        return " + ".join([self.torch_capability, *extras]) + capped
 
 
 @lru_cache(maxsize=1)
@@ -91,6 +101,7 @@ def isa() -> ISA:
         amx="amx_bf16" in flags,
         arm_bf16="bf16" in flags,
         torch_capability=capability,
+        onednn_cap=next((os.environ[v] for v in ONEDNN_ISA_VARS if os.environ.get(v)), "").strip().upper(),
     )
 
 
@@ -170,7 +181,12 @@ def allocator() -> Optional[str]:
     return None
 
 
+#: jemalloc settings that keep freed pages (as intel-extension-for-pytorch's launcher sets them): jemalloc's own
+#: defaults hand pages back to the OS and fault them in again every step (docs/benchmarks.md: least RSS, slowest)
+JEMALLOC_CONF = ("oversize_threshold:1,background_thread:true,metadata_thp:auto,dirty_decay_ms:-1,"
+                 "muzzy_decay_ms:-1")
 ALLOCATOR_HINT = (
-    "no jemalloc/tcmalloc preloaded: glibc malloc fragments under training's allocation pattern; try"
-    " `apt-get install libjemalloc2` and LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"
+    "no jemalloc/tcmalloc preloaded: glibc malloc fragments under training's allocation pattern; for speed and"
+    " less RSS try `apt-get install libjemalloc2`, LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libjemalloc.so.2 and"
+    f" MALLOC_CONF={JEMALLOC_CONF}"
 )

@@ -1,6 +1,6 @@
 """Graph sharding against no recompute and against torch's per-block checkpointing: peak RSS and tokens/s.
 
-usage: python recipes/bench_sharding.py [--steps 4] [--layers 6] [--seq 256] [--batch 8] [--allocator all]
+usage: python recipes/bench_sharding.py [--steps 4] [--layers 6] [--seq 256] [--batch 8] [--allocator all] [--adaptive]
 
 A GPT whose attention is written out (its T x T scores make a few hundred MB of activations) trains for a few
 AdamW steps in a fresh process per configuration, so that each peak RSS is the process's own high-water mark:
@@ -101,7 +101,8 @@ def run_one(cfg: dict) -> dict:
         wrap = functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
         apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrap, check_fn=lambda m: isinstance(m, Block))
     elif cfg["mode"] == "plan":
-        config = ShardingConfig(budget=cfg["budget"], headroom=cfg.get("headroom", 0.95), adaptive=False)
+        config = ShardingConfig(budget=cfg["budget"], headroom=cfg.get("headroom", 0.95),
+                                adaptive=cfg.get("adaptive", False))
         sharder = GraphSharder(config, optimizers=[opt])
     base = current_rss()
     reset_peak_rss()
@@ -114,16 +115,19 @@ def run_one(cfg: dict) -> dict:
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        peak = max(peak, peak_rss())  # before after_step resets the high-water mark
+        if sharder is not None:
+            sharder.after_step()
         if i:  # step 0 pays for first-touch allocations and the profile
             wall.append(time.perf_counter() - t0)
             cpu.append(time.process_time() - c0)
-        peak = max(peak, peak_rss())
     tokens = cfg["batch"] * cfg["seq"]
     out = {"base": base, "peak": peak, "tok_s": tokens / min(wall), "tok_cpu_s": tokens / min(cpu),
            "loss": loss.item()}
     if sharder is not None:
         out["table"] = sharder.plan_table()
         out["recompute_flops"] = sharder.plan.recompute_flops / (3 * sharder.plan.forward_flops)
+        out["replans"] = [f"step {h['step']}: {h['reason']}" for h in sharder.history[1:]]
     return out
 
 
@@ -141,7 +145,7 @@ def spawn(cfg: dict, env: dict) -> dict:
 def bench(args: argparse.Namespace, allocator: str) -> None:
     env, label = ALLOCATORS[allocator]
     common = dict(vocab=256, d=args.d, heads=4, layers=args.layers, seq=args.seq, batch=args.batch,
-                  steps=args.steps, threads=args.threads)
+                  steps=args.steps, threads=args.threads, adaptive=args.adaptive)
     rows = {"plain": spawn({**common, "name": "plain", "mode": "plain"}, env)}
     rows["per-block"] = spawn({**common, "name": "per-block", "mode": "per-block"}, env)
     base, act = rows["plain"]["base"], rows["plain"]["peak"] - rows["plain"]["base"]
@@ -163,6 +167,9 @@ def bench(args: argparse.Namespace, allocator: str) -> None:
               f" {r['peak'] / budget if budget else float('nan'):>11.3f} {(r['peak'] - base) / act:>12.2f}"
               f" {r['tok_s']:>8.0f} {r['tok_s'] / p['tok_s']:>8.2f} {r['tok_cpu_s']:>10.0f}"
               f" {r['tok_cpu_s'] / p['tok_cpu_s']:>8.2f} {r.get('recompute_flops', 0):>9.1%}")
+    for name, r in rows.items():
+        for line in r.get("replans", []):
+            print(f"{name} re-planned at {line}")
     if args.tables:
         for name, r in rows.items():
             if "table" in r:
@@ -180,6 +187,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--allocator", choices=(*ALLOCATORS, "all"), default="all")
     ap.add_argument("--tables", action="store_true", help="print each plan's table")
+    ap.add_argument("--adaptive", action="store_true",
+                    help="re-plan from the measured peak after every step, as in training (default: the first plan)")
     args = ap.parse_args()
     if args.one:
         print("RESULT " + json.dumps(run_one(json.loads(args.one))))

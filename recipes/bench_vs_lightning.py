@@ -3,6 +3,8 @@
     python recipes/bench_vs_lightning.py                                  # small (~10M) GPT, 3 rounds
     python recipes/bench_vs_lightning.py --config recipes/configs/tiny.yaml --steps 10 --rounds 1   # smoke test
     python recipes/bench_vs_lightning.py --arms horizon,horizon-foreach,horizon-compile,lightning-32  # one question
+    # a CPU without native bf16 (oneDNN capped at AVX2: bf16 matmuls emulated), reproduced on one with it:
+    ONEDNN_MAX_CPU_ISA=AVX2 python recipes/bench_vs_lightning.py --arms lightning-32,lightning-bf16,horizon --warmup 1 --steps 3 --rounds 1
 
 Each round runs every arm once, in a rotated order (interleaved A/B, so a noisy neighbour hits all arms alike),
 each in a fresh worker process: the arm's own RSS, thread pool and allocator state, nothing inherited from the
@@ -37,6 +39,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lightning_horizon.cpu import JEMALLOC_CONF, isa
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 HERE = Path(__file__).resolve().parent
 
@@ -59,9 +63,8 @@ ARMS: dict[str, dict[str, Any]] = {
     "horizon-nopin": {"kind": "horizon", "procs": 1, "strategy": {"pin_cores": False}},
     "horizon-jemalloc": {"kind": "horizon", "procs": 1, "preload": "jemalloc"},
     # jemalloc with the settings intel-extension-for-pytorch's launcher uses: never hand pages back to the OS
-    "horizon-jemalloc-retain": {"kind": "horizon", "procs": 1, "preload": "jemalloc", "env": {
-        "MALLOC_CONF": "oversize_threshold:1,background_thread:true,metadata_thp:auto,dirty_decay_ms:-1,"
-                       "muzzy_decay_ms:-1"}},
+    "horizon-jemalloc-retain": {"kind": "horizon", "procs": 1, "preload": "jemalloc",
+                                "env": {"MALLOC_CONF": JEMALLOC_CONF}},
     "horizon-tcmalloc": {"kind": "horizon", "procs": 1, "preload": "tcmalloc"},
 }
 
@@ -210,8 +213,10 @@ def matmul_peaks(seconds: float) -> dict[str, float]:
     from lightning_horizon.callbacks import measure_matmul_peak
 
     torch.set_num_threads(len(os.sched_getaffinity(0)))
+    # emulated bf16 (no native bf16, or oneDNN capped below it) runs at a few GFLOP/s: one small size is enough
+    bf16_sizes = (512, 1024, 2048) if isa().native_bf16 else (512,)
     return {"fp32": measure_matmul_peak(torch.float32, seconds=seconds),
-            "bf16": measure_matmul_peak(torch.bfloat16, seconds=seconds)}
+            "bf16": measure_matmul_peak(torch.bfloat16, bf16_sizes, seconds=seconds)}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -251,14 +256,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                          " warmup >= 1, rounds >= 1")
     import yaml
 
-    from lightning_horizon.cpu import isa
-
     cfg = yaml.safe_load(Path(args.config).read_text())
     batch = cfg.get("data", {}).get("batch_size", 16)
     seq = cfg.get("data", {}).get("seq_len", 256)
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     print(f"bench_vs_lightning: {args.config} | global batch {batch} x {seq} tokens | {args.warmup} warm-up +"
-          f" {args.steps} measured steps | {args.rounds} round(s) | arms {', '.join(arms)} | ISA {isa().name}"
+          f" {args.steps} measured steps | {args.rounds} round(s) | arms {', '.join(arms)} | ISA {isa().description},"
+          f" native bf16: {'yes' if isa().native_bf16 else 'no'}"
           f" | {len(os.sched_getaffinity(0))} cores | {started}", flush=True)
     from lm_data import ByteCorpusDataModule
 

@@ -1,4 +1,5 @@
 from lightning_horizon import cpu
+from lightning_horizon.precision import resolve_compute
 
 
 def test_plan_cores_disjoint_contiguous_slices():
@@ -21,12 +22,27 @@ def test_plan_cores_slices_stay_inside_numa_domains_when_ranks_divide_them(monke
     assert [cpu.plan_cores(r, 2, cores)[0] for r in range(2)] == [[0, 1, 4, 5], [2, 3, 6, 7]]
 
 
-def test_isa_is_consistent_with_torch():
+def test_isa_is_consistent_with_torch(monkeypatch):
+    for var in cpu.ONEDNN_ISA_VARS:
+        monkeypatch.delenv(var, raising=False)
     found = cpu.isa()
     assert found.native_bf16 == (found.avx512_bf16 or found.amx or found.arm_bf16)
     if found.torch_capability.startswith("AVX512"):
         assert found.avx512
     assert found.name in ("AMX", "AVX512-BF16", "AVX-512", "AVX2", "baseline")
+
+
+def test_onednn_isa_cap_below_bf16_means_no_native_bf16(monkeypatch):
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16"}))
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    assert cpu.isa().native_bf16
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "avx2")  # how a CPU without bf16 is reproduced on one with it
+    assert not cpu.isa().native_bf16 and "oneDNN capped at AVX2" in cpu.isa().description
+    compute, reason = resolve_compute("auto")  # HorizonPrecision("auto") follows it
+    assert compute == "fp32" and "oneDNN capped at AVX2" in reason
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    assert cpu.isa().native_bf16
 
 
 def test_cpulist_parsing():

@@ -356,14 +356,16 @@ def test_budget_lowered_during_training_replans_with_more_recompute():
     plain, _ = _gpt_fit(None)
     cut = _BudgetFalls()
     roomy = current_rss() + (1 << 30)  # 1 GiB above what is resident: the first plan recomputes nothing
-    sharded, trainer = _gpt_fit(ShardingConfig(budget=roomy, allocator_overhead=1.0, adaptive=False), [cut])
+    # headroom 0.99: 5% of this process's resident memory is more than the tiny model's activations
+    config = ShardingConfig(budget=roomy, allocator_overhead=1.0, adaptive=False, headroom=0.99)
+    sharded, trainer = _gpt_fit(config, [cut])
     history = trainer.strategy.sharder.history
     assert history[0]["reason"] == "first plan" and history[0]["recompute"] == 0
     assert cut.replans  # the plan no longer fits under headroom: re-planned at the next step boundary
     replan = history[1]
     assert replan["step"] == 2 and replan["changed"] and replan["recompute"] > 0, history
     assert "another job needs memory" in replan["reason"] and "no plan fits" not in replan["reason"]
-    assert replan["estimated_peak"] <= 0.95 * cut.budget
+    assert replan["estimated_peak"] <= 0.99 * cut.budget
     # the same training, in less memory: recompute replays the same bits (dropout included)
     for a, b in zip(plain.state_dict().values(), sharded.state_dict().values()):
         assert torch.equal(a, b)

@@ -270,7 +270,9 @@ def test_infeasible_budget_states_the_smallest_feasible_one():
         make_plan(prof, budget=fixed, fixed=fixed)
     smallest = int(re.search(r"at least (\d+) bytes", str(info.value))[1])
     assert smallest == info.value.smallest_feasible
-    assert make_plan(prof, budget=smallest, fixed=fixed).estimated_peak <= int(smallest * 0.95)
+    plan = make_plan(prof, budget=smallest, fixed=fixed)
+    # a recompute plan aims at headroom (95%) of the budget; one that recomputes nothing at the budget itself
+    assert plan.estimated_peak <= (int(smallest * 0.95) if plan.recompute else smallest)
     with pytest.raises(InfeasibleBudgetError):
         make_plan(prof, budget=int(smallest * 0.99), fixed=fixed)
     # Through the sharder: raised at the first step, before anything is installed.
@@ -291,6 +293,30 @@ def _probe(model, batch):
     return probe.fixed, probe.plan.estimated_peak - probe.fixed
 
 
+def test_whole_step_within_budget_recomputes_nothing_until_a_step_exceeds_it_by_the_margin(caplog):
+    torch.manual_seed(0)
+    model, batch = TinyGPT(layers=4), gpt_batch(16, 64)
+    fixed, act = _probe(model, batch)
+    budget = int((fixed + act) / 0.97)  # the plain step's estimated peak is 97% of it: above headroom 95%
+    sharder = GraphSharder(ShardingConfig(budget=budget, allocator_overhead=1.0))
+    sharder.maybe_plan(model, batch, 0)
+    assert sharder.plan.recompute == [] and sharder.plan.target == budget, sharder.plan_table()
+    assert 0.95 * budget < sharder.plan.estimated_peak <= budget
+    caplog.set_level(logging.INFO, logger="lightning_horizon.sharding")
+    sharder.after_step(peak=int(1.04 * budget))  # within noise of the plain step's peak: nothing to correct
+    sharder.maybe_plan(model, batch, 1)
+    assert sharder.plan.recompute == [] and "more recompute" not in caplog.text
+    sharder.after_step(peak=int(1.06 * budget))  # over the budget by more than the headroom margin
+    sharder.maybe_plan(model, batch, 2)
+    assert sharder.plan.recompute, sharder.plan_table()
+    assert "above 105% of it (nothing recomputed)" in caplog.text and "more recompute" in caplog.text
+    # a headroom below the whole step's estimate does not make a plan that fits the budget recompute either
+    tight = GraphSharder(ShardingConfig(budget=budget, allocator_overhead=1.0, headroom=0.5, relax_below=0.4))
+    tight.maybe_plan(model, batch, 0)
+    assert tight.plan.recompute == []
+    sharder.uninstall(), tight.uninstall()
+
+
 def test_replans_tighter_above_headroom_and_relaxes_when_far_under(caplog):
     torch.manual_seed(0)
     model, batch = TinyGPT(layers=4), gpt_batch(16, 64)
@@ -302,16 +328,20 @@ def test_replans_tighter_above_headroom_and_relaxes_when_far_under(caplog):
     assert sharder.plan.recompute == []
     fixed, act = sharder.fixed, sharder.plan.estimated_peak - sharder.fixed  # this process's RSS moves a little
     caplog.set_level(logging.INFO, logger="lightning_horizon.sharding")
-    sharder.after_step(peak=fixed + int(5.5 * act))  # measured 5.5x the estimated activations: above headroom
+    sharder.after_step(peak=int(1.06 * budget))  # the estimate missed by far: 6% over the budget
     sharder.maybe_plan(model, batch, 1)
     assert sharder.plan.recompute, sharder.plan_table()
-    assert sharder.scale > 5 and "above headroom 95%" in caplog.text and "more recompute" in caplog.text
+    assert sharder.scale > 5 and "(nothing recomputed)" in caplog.text and "more recompute" in caplog.text
+    tight = len(sharder.plan.recompute)
+    sharder.after_step(peak=int(0.97 * budget))  # a recompute plan above headroom: more recompute again
+    assert sharder._pending is not None and "above headroom 95%" in sharder._pending[0]
+    sharder.maybe_plan(model, batch, 2)
     tight = len(sharder.plan.recompute)
     for i in range(3):
         sharder.after_step(peak=fixed + 2 * act)  # far under budget, three steps running
-        sharder.maybe_plan(model, batch, 2 + i)
+        sharder.maybe_plan(model, batch, 3 + i)
     assert len(sharder.plan.recompute) < tight and "less recompute" in caplog.text
-    assert [h["reason"].split(" ")[0] for h in sharder.history][:2] == ["first", "measured"]
+    assert [h["reason"].split(" ")[0] for h in sharder.history][:3] == ["first", "measured", "measured"]
     sharder.uninstall()
     assert all("forward" not in m.__dict__ for m in model.modules())
 
@@ -320,8 +350,9 @@ def test_checkpoint_state_restores_the_same_plan():
     torch.manual_seed(0)
     model, batch = TinyGPT(layers=4), gpt_batch(16, 64)
     fixed, act = _probe(model, batch)
-    budget = int((fixed + 0.6 * act) / 0.95)
-    sharder = GraphSharder(ShardingConfig(budget=budget, allocator_overhead=1.0))
+    # headroom 0.99: 5% of this process's resident memory is more than the tiny model's activations
+    budget = int((fixed + 0.6 * act) / 0.99)
+    sharder = GraphSharder(ShardingConfig(budget=budget, allocator_overhead=1.0, headroom=0.99))
     sharder.maybe_plan(model, batch, 0)
     assert sharder.plan.recompute
     assert "recompute" in sharder.plan_table() and "est. peak" in sharder.plan_table()
@@ -329,13 +360,13 @@ def test_checkpoint_state_restores_the_same_plan():
     torch.save(sharder.state_dict(), buf)  # plain Python data: loads with weights_only
     sharder.uninstall()
     buf.seek(0)
-    resumed = GraphSharder(ShardingConfig(budget=budget, allocator_overhead=1.0))
+    resumed = GraphSharder(ShardingConfig(budget=budget, allocator_overhead=1.0, headroom=0.99))
     resumed.load_state_dict(torch.load(buf, weights_only=True))
     resumed.maybe_plan(model, batch, 0)
     assert resumed.plan.recompute == sharder.plan.recompute
     assert resumed.history[-1]["reason"] == "restored from the checkpoint"
     assert ShardPlan.from_dict(sharder.plan.to_dict()) == sharder.plan
-    again = evaluate(resumed.profile, sharder.plan.recompute, budget, resumed.fixed)
+    again = evaluate(resumed.profile, sharder.plan.recompute, budget, resumed.fixed, 0.99)
     assert again is not None and again.recompute == sharder.plan.recompute
     resumed.uninstall()
     with pytest.raises(ValueError, match="version"):
@@ -409,8 +440,10 @@ def test_horizon_strategy_trains_the_same_model_in_less_memory(tmp_path):
     # Room for 60% of the unsharded activations above what is resident now (Lightning adds a few MB by the
     # first step: the planner measures that itself).
     fixed, act = _probe(LitGPT(), next(iter(_lit_data())))
-    budget = int((fixed + 0.6 * act) / 0.95)
-    model, trainer = _lit_fit(ShardingConfig(budget=budget, allocator_overhead=1.0, adaptive=False), tmp_path)
+    # (headroom 0.99: 5% of this process's resident memory is more than the tiny model's activations)
+    budget = int((fixed + 0.6 * act) / 0.99)
+    model, trainer = _lit_fit(ShardingConfig(budget=budget, allocator_overhead=1.0, adaptive=False, headroom=0.99),
+                              tmp_path)
     sharder = trainer.strategy._parts["sharding"]
     assert sharder.plan.recompute and sharder.history[0]["reason"] == "first plan"
     assert all("forward" not in m.__dict__ for m in model.modules())  # teardown uninstalled the plan

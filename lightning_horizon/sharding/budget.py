@@ -41,8 +41,10 @@ class ShardingConfig:
     allocator slack that RSS accounting does not see coming."""
 
     headroom: float = 0.95
-    """The planner aims at ``headroom * budget``; a step whose measured peak RSS exceeds it triggers a re-plan
-    with more recompute at the next step boundary."""
+    """A plan that recomputes aims at ``headroom * budget``; a step whose measured peak RSS exceeds it triggers a
+    re-plan with more recompute at the next step boundary. A step that fits the budget whole is not recomputed at
+    all, and is re-planned only when its measured peak exceeds the budget by more than the same margin
+    (``(1 - headroom) * budget``: run-to-run noise of the plain step's peak is not worth recomputing for)."""
 
     adaptive: bool = True
     """Measure peak RSS after every optimizer step and re-plan (tighter above ``headroom``, looser when far

@@ -70,7 +70,7 @@ class ShardPlan:
     recompute: list[tuple[str, int]]  #: (module path, occurrence) of every call to checkpoint
     shards: list[Shard]
     budget: int
-    target: int  #: what the plan aims at: headroom * budget
+    target: int  #: what the plan aims at: headroom * budget, or the budget itself when nothing is recomputed
     fixed: int  #: resident before the step (weights, optimizer state, runtime)
     estimated_peak: int
     recompute_flops: int
@@ -272,6 +272,12 @@ def make_plan(
     grads = _Grads(profile.pending_grad_bytes, grads_in_forward)
     frontier = _top(profile)
     floor, floor_frontier = _global_floor(profile, scale, grads)
+    whole = _assemble(profile, _items(profile, frontier, scale), set(), budget, budget, fixed, scale, fixed + floor,
+                      grads)
+    if whole.estimated_peak <= budget:
+        # The whole step fits: recompute would buy memory nobody asked for. The headroom is the margin for what
+        # a recompute plan estimates it saves; a plan that recomputes nothing aims at the budget itself.
+        return whole
     while True:
         items = _items(profile, frontier, scale)
         f, at = _floor(items, grads)
@@ -287,7 +293,8 @@ def make_plan(
             if floor <= allowance:  # the guided descent is stuck, but a finer frontier fits
                 frontier = floor_frontier
                 break
-            smallest = math.ceil((fixed + floor) / headroom)
+            # the least of: the floor under headroom, and the whole step within the budget itself
+            smallest = min(math.ceil((fixed + floor) / headroom), whole.estimated_peak)
             if best_effort:
                 frontier = floor_frontier
                 break
@@ -295,7 +302,8 @@ def make_plan(
                 f"budget={budget} bytes ({fmt_bytes(budget)}) is below the smallest feasible plan: the least"
                 f" estimated peak is {fmt_bytes(fixed + floor)} ({fmt_bytes(fixed)} resident + {fmt_bytes(floor)}"
                 f" activations and gradients with every recomputable call recomputed), which needs a budget of at"
-                f" least {smallest} bytes ({fmt_bytes(smallest)}) at headroom={headroom}",
+                f" least {smallest} bytes ({fmt_bytes(smallest)}) at headroom={headroom} (a plan that recomputes"
+                f" nothing aims at the budget itself: the whole step is estimated at {fmt_bytes(whole.estimated_peak)})",
                 smallest,
             )
         frontier = (frontier - deeper) | {ch for i in deeper for ch in profile.calls[i].children}

@@ -6,7 +6,8 @@ Lifecycle (the strategy calls these; a plain training loop can too):
   budget, profiles the step on this batch (there is no batch earlier), plans and installs. Later calls apply a
   pending re-plan, at the step boundary, where no activation is alive.
 - ``after_step()`` after every optimizer step: reads the RSS high-water mark of the step, resets it, and
-  decides whether the next step needs a re-plan (tighter above ``headroom``, looser after ``relax_after``
+  decides whether the next step needs a re-plan (tighter above ``headroom`` x budget, or, for a plan that
+  recomputes nothing, above the budget plus the same margin; looser after ``relax_after``
   steps below ``relax_below``). An ``auto`` or fractional budget is resolved again from the node's free memory,
   and a budget that fell below the plan re-plans too (``set_budget`` does the same for a budget in bytes).
   Every decision that changes something is logged with its reason.
@@ -147,7 +148,7 @@ class GraphSharder:
         budget = self.budget
         estimated = max(1, plan.estimated_peak - self.fixed)
         ratio = max(0.0, (peak - self.fixed) / estimated)  # measured / estimated activation memory
-        if peak > cfg.headroom * budget:
+        if peak > self._line(plan, budget):
             self._low_steps, self._low_ratio = 0, 0.0
             if plan.estimated_peak <= plan.floor:
                 if not self._at_floor_warned:
@@ -159,9 +160,11 @@ class GraphSharder:
                     self._at_floor_warned = True
                 return
             scale = self.scale * max(ratio, 1.0) * 1.05  # at least 5% tighter, so that it converges
+            above = (f"headroom {cfg.headroom:.0%}" if plan.recompute
+                     else f"{2 - cfg.headroom:.0%} of it (nothing recomputed)")
             self._pending = (
                 f"measured peak {fmt_bytes(peak)} = {peak / budget:.0%} of the budget {fmt_bytes(budget)}, above"
-                f" headroom {cfg.headroom:.0%} (estimate was {fmt_bytes(plan.estimated_peak)}): more recompute",
+                f" {above} (estimate was {fmt_bytes(plan.estimated_peak)}): more recompute",
                 scale,
             )
         elif peak < cfg.relax_below * budget and plan.recompute and self._resettable:
@@ -191,13 +194,24 @@ class GraphSharder:
         self._low_steps, self._low_ratio = 0, 0.0
         if self.plan is None:
             self._early_budget = budget
-        if self.plan is None or self.plan.estimated_peak <= self.config.headroom * budget:
+        # the planner's own rule: a recompute plan's estimate under headroom, a plain step's within the budget
+        aim = self.config.headroom * budget if self.plan is not None and self.plan.recompute else budget
+        if self.plan is None or self.plan.estimated_peak <= aim:
             log.info(f"sharding[rank {self.rank}] step {self.steps}: {reason}: budget {fmt_bytes(old or 0)} ->"
                      f" {fmt_bytes(budget)}; the plan still fits")
             return False
         self._pending = (f"{reason}: budget {fmt_bytes(old or 0)} -> {fmt_bytes(budget)}, below the plan's"
                          f" estimated peak {fmt_bytes(self.plan.estimated_peak)}: more recompute", self.scale)
         return True
+
+    def _line(self, plan: ShardPlan, budget: int) -> float:
+        """Above this RSS the plan is re-planned with more recompute. A plan that recomputes aims at ``headroom``
+        x budget, a margin for the error of its estimate, and is re-planned above that line. A plan that
+        recomputes nothing is the plain step, planned because its estimate fits the budget; its measured peak
+        varies by 1-2% from run to run (allocator, the profile's own few MB), and recomputing for that would
+        cost several % of speed for memory within the noise: it is re-planned when it exceeds the budget by
+        more than the same margin, ``(1 - headroom)`` x budget."""
+        return self.config.headroom * budget if plan.recompute else (2.0 - self.config.headroom) * budget
 
     def _follow_free_memory(self) -> bool:
         """An ``auto`` or fractional budget follows the node's free memory (another job starting, a cgroup limit

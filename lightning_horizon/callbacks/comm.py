@@ -17,6 +17,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_horizon.callbacks._checks import check_int
+
 log = logging.getLogger(__name__)
 
 _MIB = 2**20
@@ -52,10 +54,8 @@ class CommMonitor(Callback):
     """
 
     def __init__(self, log_every_n_steps: int = 1, summary_every_n_steps: int = 50) -> None:
-        for name, value, low in (("log_every_n_steps", log_every_n_steps, 1),
-                                 ("summary_every_n_steps", summary_every_n_steps, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"CommMonitor({name}={value!r}): allowed is an int >= {low}")
+        check_int("CommMonitor", "log_every_n_steps", log_every_n_steps, 1)
+        check_int("CommMonitor", "summary_every_n_steps", summary_every_n_steps, 0)
         self.log_every_n_steps, self.summary_every_n_steps = log_every_n_steps, summary_every_n_steps
         self.source: Optional[Callable[[], dict[str, float]]] = None
         #: the latest figures logged (empty while there is no source)

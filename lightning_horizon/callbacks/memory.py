@@ -20,6 +20,8 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_horizon.callbacks._checks import check_int
+
 log = logging.getLogger(__name__)
 
 _MIB = 2**20
@@ -56,10 +58,8 @@ class MemoryMonitor(Callback):
     """
 
     def __init__(self, log_every_n_steps: int = 10, summary_every_n_steps: int = 50) -> None:
-        for name, value, low in (("log_every_n_steps", log_every_n_steps, 1),
-                                 ("summary_every_n_steps", summary_every_n_steps, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"MemoryMonitor({name}={value!r}): allowed is an int >= {low}")
+        check_int("MemoryMonitor", "log_every_n_steps", log_every_n_steps, 1)
+        check_int("MemoryMonitor", "summary_every_n_steps", summary_every_n_steps, 0)
         self.log_every_n_steps, self.summary_every_n_steps = log_every_n_steps, summary_every_n_steps
         #: the latest figures of every rank: one dict per rank (on rank 0; other ranks hold their own only)
         self.last: list[dict[str, float]] = []

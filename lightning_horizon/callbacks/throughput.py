@@ -23,6 +23,8 @@ from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
 
+from lightning_horizon.callbacks._checks import check_int
+
 log = logging.getLogger(__name__)
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -96,12 +98,8 @@ class ThroughputMFUMonitor(ThroughputMonitor):
         prog_bar: bool = True,
         peak_matmul_sizes: tuple[int, ...] = (512, 1024, 2048),
     ) -> None:
-        if isinstance(window_size, bool) or not isinstance(window_size, int) or window_size < 2:
-            raise ValueError(f"ThroughputMFUMonitor(window_size={window_size!r}): allowed is an int >= 2")
-        if isinstance(summary_every_n_steps, bool) or not isinstance(summary_every_n_steps, int) \
-                or summary_every_n_steps < 0:
-            raise ValueError(f"ThroughputMFUMonitor(summary_every_n_steps={summary_every_n_steps!r}): allowed is an"
-                             " int >= 0 (0: no summary lines)")
+        check_int("ThroughputMFUMonitor", "window_size", window_size, 2)
+        check_int("ThroughputMFUMonitor", "summary_every_n_steps", summary_every_n_steps, 0, " (0: no summary lines)")
         if not peak_matmul_sizes or any(isinstance(n, bool) or not isinstance(n, int) or n < 64
                                         for n in peak_matmul_sizes):
             raise ValueError(f"ThroughputMFUMonitor(peak_matmul_sizes={peak_matmul_sizes!r}): allowed is a non-empty"

@@ -148,7 +148,8 @@ class GraphSharder:
         budget = self.budget
         estimated = max(1, plan.estimated_peak - self.fixed)
         ratio = max(0.0, (peak - self.fixed) / estimated)  # measured / estimated activation memory
-        if peak > self._line(plan, budget):
+        line = self._line(plan, budget)
+        if peak > line:
             self._low_steps, self._low_ratio = 0, 0.0
             if plan.estimated_peak <= plan.floor:
                 if not self._at_floor_warned:
@@ -161,7 +162,7 @@ class GraphSharder:
                 return
             scale = self.scale * max(ratio, 1.0) * 1.05  # at least 5% tighter, so that it converges
             above = (f"headroom {cfg.headroom:.0%}" if plan.recompute
-                     else f"{2 - cfg.headroom:.0%} of it (nothing recomputed)")
+                     else f"{line / budget:.0%} of it (nothing recomputed)")
             self._pending = (
                 f"measured peak {fmt_bytes(peak)} = {peak / budget:.0%} of the budget {fmt_bytes(budget)}, above"
                 f" {above} (estimate was {fmt_bytes(plan.estimated_peak)}): more recompute",

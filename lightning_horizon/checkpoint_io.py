@@ -38,6 +38,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         _remove_stale_tmp(directory, os.path.basename(path))
         fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=_TMP_SUFFIX, dir=directory)
         try:
+            # mkstemp creates the file 0600; torch.save and Lightning's own IO create it 0666 minus the umask
+            os.fchmod(fd, 0o666 & ~_umask())
             with os.fdopen(fd, "wb") as f:
                 torch.save(checkpoint, f)
                 f.flush()
@@ -48,6 +50,12 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 os.remove(tmp)
             raise
         _fsync_dir(directory)
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)  # reading the umask means setting it: put it straight back
+    os.umask(mask)
+    return mask
 
 
 def _remove_stale_tmp(directory: str, name: str) -> None:

@@ -17,6 +17,7 @@ everything computes in fp32 (bf16-true then still halves weight memory). Bytes p
 from __future__ import annotations
 
 import logging
+import weakref
 from collections import OrderedDict
 from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Generator, Optional
@@ -33,6 +34,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from lightning_horizon import cpu
 from lightning_horizon.gradnorm import clip_grads_, total_norm_fp32
+from lightning_horizon.state import TrainingState
 
 log = logging.getLogger(__name__)
 
@@ -145,9 +147,11 @@ class HorizonPrecision(Precision):
         self._set_compute(*resolve_compute(compute, "cpu"))
         self._module: Optional[Module] = None
         self._names: dict[Tensor, str] = {}  # module parameter -> its state_dict name
-        self._masters: dict[Tensor, Tensor] = {}  # bf16 module parameter -> fp32 master (master="fp32")
-        self._param_of: dict[Tensor, Tensor] = {}  # fp32 master -> bf16 module parameter
-        self._comp: dict[Tensor, Tensor] = {}  # bf16 module parameter -> bf16 compensation (master="kahan")
+        #: the owner of the true weights: the fp32 masters or Kahan compensations are registered there, and
+        #: whoever reads, writes or averages weights (local SGD, checkpoints) goes through it
+        self.training_state = TrainingState()
+        self._param_of: dict[Tensor, Tensor] = {}  # fp32 master -> bf16 module parameter (during a step only)
+        self._load_hooked: "weakref.WeakSet[Optimizer]" = weakref.WeakSet()
         self._slots: list[tuple[Module, str]] = []  # where the fp32-compute forward swaps in upcast weights
         self._upcasting = False
         self._generators: dict[str, torch.Generator] = {}
@@ -215,9 +219,16 @@ class HorizonPrecision(Precision):
                 "HorizonPrecision(mode='bf16-true') cannot wrap LBFGS (it re-evaluates the closure inside step);"
                 " use mode='bf16-mixed' or another optimizer"
             )
+        own = _own_parameter_list(opt, set(map(id, self._names)))
+        if own is not None:
+            raise ValueError(
+                f"HorizonPrecision(mode='bf16-true') cannot drive the optimizer {type(opt).__name__}: it keeps its"
+                f" own list of the parameters ({type(opt).__name__}.{own}) instead of reading param_groups at each"
+                " step, so the fp32 / Kahan master it must step would never move; use mode='bf16-mixed' with it"
+            )
+        state = self.training_state
         for group in opt.param_groups:
-            for i, x in enumerate(group["params"]):
-                p = self._param_of.get(x, x)  # an optimizer object reused across fits already holds masters
+            for p in group["params"]:
                 if p not in self._names:
                     raise ValueError(
                         f"HorizonPrecision(mode='bf16-true'): the optimizer {type(opt).__name__} holds a tensor of"
@@ -226,15 +237,19 @@ class HorizonPrecision(Precision):
                 if p.dtype != torch.bfloat16:
                     continue  # integer / frozen-in-other-dtype parameters: stepped as they are
                 if self.master == "fp32":
-                    m = self._masters.get(p)
+                    m = state.master(p)
                     if m is None or not torch.equal(m.detach().to(torch.bfloat16), p.detach()):
                         m = torch.nn.Parameter(p.detach().float(), requires_grad=p.requires_grad)  # weights changed
-                    self._masters[p], self._param_of[m] = m, p
-                    group["params"][i] = m
-                    if x is not m and x in opt.state:
-                        opt.state[m] = _cast_state(opt.state.pop(x), p, torch.float32)
-                elif p not in self._comp:  # a kept buffer holds at most half an ulp: harmless if weights changed
-                    self._comp[p] = torch.zeros_like(p, dtype=torch.bfloat16)
+                        state.register_master(p, m)
+                    if p in opt.state:  # state between steps is kept under the module parameter, in fp32
+                        opt.state[p] = _cast_state(opt.state[p], p, torch.float32)
+                elif state.compensation(p) is None:  # a kept one holds at most half an ulp: harmless
+                    state.register_compensation(p, torch.zeros_like(p, dtype=torch.bfloat16))
+        if self.master == "fp32" and opt not in self._load_hooked:
+            # torch casts loaded optimizer state to its parameter's dtype: load it while the fp32 masters stand in
+            opt.register_load_state_dict_pre_hook(lambda o, sd: self._swap_masters(o, True))
+            opt.register_load_state_dict_post_hook(lambda o: self._swap_masters(o, False))
+            self._load_hooked.add(opt)
 
     def _ipex(self, module: Module, optimizers: list[Optimizer]) -> list[Optimizer]:
         ipex, why = ipex_status()
@@ -265,25 +280,33 @@ class HorizonPrecision(Precision):
 
     @contextmanager
     def _bf16_context(self) -> Generator[None, None, None]:
-        # autocast also on bf16 weights: CPU autocast runs the losses (cross_entropy, nll, mse) in fp32
-        default = torch.get_default_dtype()
-        if self.mode == "bf16-true":
-            torch.set_default_dtype(torch.bfloat16)
-        try:
-            with torch.autocast(self._device_type, dtype=torch.bfloat16, cache_enabled=False):
-                yield
-        finally:
-            torch.set_default_dtype(default)
+        # autocast also on bf16 weights: CPU autocast runs the losses (cross_entropy, nll, mse) in fp32. bf16-true
+        # makes bf16 the default dtype inside the step, as Lightning's own "bf16-true" does.
+        default = _default_dtype(torch.bfloat16) if self.mode == "bf16-true" else nullcontext()
+        with default, torch.autocast(self._device_type, dtype=torch.bfloat16, cache_enabled=False):
+            yield
+
+    def recompute_context(self, module: Module) -> Any:
+        """What :meth:`forward_context` established, re-established for the recompute of one call of ``module``
+        (activation recompute runs in backward, after the step's forward context has exited): the bf16 default
+        dtype, and under fp32 compute the fp32 copies of ``module``'s own parameters only (autocast itself is
+        restored by ``torch.utils.checkpoint``)."""
+        if self.mode != "bf16-true":
+            return nullcontext()
+        if self.compute == "fp32":
+            mine = {id(m) for m in module.modules()}
+            return self._upcast_weights([(m, n) for m, n in self._slots if id(m) in mine])
+        return _default_dtype(torch.bfloat16)
 
     @contextmanager
-    def _upcast_weights(self) -> Generator[None, None, None]:
+    def _upcast_weights(self, slots: Optional[list[tuple[Module, str]]] = None) -> Generator[None, None, None]:
         """Swap each bf16 parameter for a differentiable fp32 copy during the forward: fp32 matmuls, bf16 grads."""
         if self._upcasting:  # nested step contexts: the outer one already swapped
             yield
             return
         casts: dict[Tensor, Tensor] = {}  # one copy per parameter: tied weights stay tied
         swapped = []
-        for mod, name in self._slots:
+        for mod, name in self._slots if slots is None else slots:
             p = mod._parameters[name]
             if p is None or p.dtype != torch.bfloat16:
                 continue
@@ -309,24 +332,34 @@ class HorizonPrecision(Precision):
 
     @override
     def _after_closure(self, model: "pl.LightningModule", optimizer: Any) -> None:
-        # masters first, so the callbacks (GradNormBackoff) read and clip the gradients the step will use
-        if self.master == "fp32":
-            self._grads_to_masters(optimizer)
+        # the fp32 norm of the gradients the step will use, before the callbacks (GradNormBackoff) read and clip them
         self.last_grad_norm = total_norm_fp32(list(self.main_params(optimizer)))
         super()._after_closure(model, optimizer)
 
-    def _grads_to_masters(self, optimizer: Optimizer) -> None:
+    def _swap_masters(self, optimizer: Optimizer, to_masters: bool, grads: bool = False) -> None:
+        """Put the fp32 masters in the optimizer's param groups in place of their bf16 parameters, or back.
+
+        Between steps the optimizer holds the module's parameters, so that everything a LightningModule does with
+        it (``zero_grad``, ``toggle_optimizer``, ``clip_gradients`` in manual optimization) acts on the tensors
+        backward writes to. During the step (and while a state dict loads) the masters stand in. With ``grads``
+        the gradients move along: in fp32 for the step, back in the parameter's dtype after it (clipped, or None
+        for a skipped step: what the step used, as with fp32 parameters). The optimizer state moves along too,
+        keyed by whoever is in the group.
+        """
+        state = self.training_state
         for group in optimizer.param_groups:
-            for m in group["params"]:
-                p = self._param_of.get(m)
-                if p is None or p.grad is None:
+            for i, x in enumerate(group["params"]):
+                new = state.master(x) if to_masters else self._param_of.pop(x, None)
+                if new is None:
                     continue
-                g = p.grad.detach().float()
-                if m.grad is None:
-                    m.grad = g
-                else:  # no zero_grad since the last step: accumulate, as torch would, but in fp32
-                    m.grad.add_(g)
-                p.grad = None
+                if to_masters:
+                    self._param_of[new] = x
+                if grads:
+                    new.grad = None if x.grad is None else x.grad.detach().to(new.dtype)
+                    x.grad = None
+                group["params"][i] = new
+                if x in optimizer.state:
+                    optimizer.state[new] = optimizer.state.pop(x)
 
     @override
     def optimizer_step(
@@ -334,20 +367,23 @@ class HorizonPrecision(Precision):
     ) -> Any:
         if self.mode != "bf16-true":
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
-        closure_result = closure()
-        self._after_closure(model, optimizer)
-        if closure_result is None and model.automatic_optimization:
-            return closure_result  # training_step returned None: no backward, no step (as Lightning's AMP)
-        if self.master == "fp32":
+        closure()
+        # The step runs even when training_step returned None (no gradients: the optimizer moves nothing), as in
+        # Lightning's own precision plugins: step hooks fire, so a callback that scaled the lr puts it back.
+        if self.master != "fp32":
+            self._after_closure(model, optimizer)
+            return self._kahan_step(optimizer, kwargs)
+        self._swap_masters(optimizer, True, grads=True)
+        try:
+            self._after_closure(model, optimizer)
             out = optimizer.step(**kwargs)
             with torch.no_grad():
-                for group in optimizer.param_groups:
-                    for m in group["params"]:
-                        p = self._param_of.get(m)
-                        if p is not None and m.grad is not None:  # a param without grad was not stepped
-                            p.copy_(m)
+                for m, p in self._param_of.items():
+                    if m.grad is not None:  # a param without grad was not stepped
+                        self.training_state.write(p, m)
             return out
-        return self._kahan_step(optimizer, kwargs)
+        finally:
+            self._swap_masters(optimizer, False, grads=True)
 
     def _kahan_step(self, optimizer: Optimizer, kwargs: dict[str, Any]) -> Any:
         """Step fp32 proxies of the bf16 parameters, chunk by chunk, and fold the results back.
@@ -379,7 +415,7 @@ class HorizonPrecision(Precision):
                 optimizer._optimizer_step_post_hooks = post if c == len(chunks) - 1 else OrderedDict()
                 for g in groups:
                     g["params"] = []
-                proxies = [(p, self._proxy(optimizer, p)) for _, p in chunk if p in self._comp]
+                proxies = [(p, self._proxy(optimizer, p)) for _, p in chunk if self.training_state.compensation(p) is not None]
                 stepped = dict(proxies)
                 for i, p in chunk:  # a parameter without compensation (not bf16) steps as it is
                     groups[i]["params"].append(stepped.get(p, p))
@@ -397,7 +433,7 @@ class HorizonPrecision(Precision):
     @torch.no_grad()
     def _proxy(self, optimizer: Optimizer, p: Tensor) -> Tensor:
         """The fp32 true weight (bf16 weight + compensation) with an fp32 grad, owning p's state in fp32."""
-        w = p.detach().float().add_(self._comp[p])
+        w = self.training_state.read(p)
         w.grad = p.grad.detach().float()
         state = optimizer.state.pop(p, None)
         if state:
@@ -407,8 +443,7 @@ class HorizonPrecision(Precision):
     @torch.no_grad()
     def _fold(self, optimizer: Optimizer, p: Tensor, w: Tensor) -> None:
         """Round the stepped fp32 weight into bf16 weight + bf16 compensation (the residual); state back to bf16."""
-        p.copy_(w)  # round to nearest
-        self._comp[p].copy_(w.sub_(p))  # what bf16 could not hold, kept for the next step
+        self.training_state.write(p, w)  # bf16 weight rounded to nearest, the residual into the compensation
         state = optimizer.state.pop(w, None)
         if not state:
             return
@@ -454,12 +489,13 @@ class HorizonPrecision(Precision):
     def state_dict(self) -> dict[str, Any]:
         if self.mode != "bf16-true":
             return {}  # the fp32 parameters are the whole truth (an empty dict is not written)
+        state = self.training_state
         return {
             "version": _STATE_VERSION,
             "mode": self.mode,
             "master": self.master,
-            "masters": {self._names[p]: m.detach() for p, m in self._masters.items() if p in self._names},
-            "compensation": {self._names[p]: c for p, c in self._comp.items() if p in self._names},
+            "masters": {n: m.detach() for p, n in self._names.items() if (m := state.master(p)) is not None},
+            "compensation": {n: c for p, n in self._names.items() if (c := state.compensation(p)) is not None},
             "rng": {k: g.get_state() for k, g in self._generators.items()},
         }
 
@@ -481,17 +517,28 @@ class HorizonPrecision(Precision):
                     exact = p.float() + comps[name].float()
                 if exact is None:
                     continue
+                master, comp = self.training_state.master(p), self.training_state.compensation(p)
                 if self.mode == "bf16-mixed":
                     p.copy_(exact)  # fp32 parameters take the full-precision weights
-                elif p in self._masters:
-                    self._masters[p].copy_(exact)
-                elif p in self._comp:
-                    self._comp[p].copy_(comps[name] if name in comps else exact - p.float())
+                elif master is not None:
+                    master.copy_(exact)
+                elif comp is not None:  # the saved compensation as it is: p may not be restored yet
+                    comp.copy_(comps[name] if name in comps else exact - p.float())
         for key, rng in state_dict.get("rng", {}).items():
             self._generator(torch.device(key)).set_state(rng)
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Generator[None, None, None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def _check(name: str, value: Any, allowed: tuple) -> None:
@@ -509,6 +556,27 @@ def _per_element(key: Any, value: Any, p: Tensor) -> bool:
 
 def _cast_state(state: dict[str, Any], p: Tensor, dtype: torch.dtype) -> dict[str, Any]:
     return {k: v.to(dtype) if _per_element(k, v, p) else v for k, v in state.items()}
+
+
+def _own_parameter_list(optimizer: Optimizer, params: set[int]) -> Optional[str]:
+    """The attribute in which ``optimizer`` keeps parameters outside its param groups (``None`` when it does not):
+    such an optimizer steps its own list and never sees what bf16-true puts in the groups for the step."""
+
+    def holds(value: Any, depth: int) -> bool:
+        if isinstance(value, Tensor):
+            return id(value) in params
+        if isinstance(value, Optimizer):  # a wrapped optimizer (ZeroRedundancyOptimizer.optim)
+            return value is not optimizer
+        if depth and isinstance(value, dict):
+            return any(holds(k, depth - 1) or holds(v, depth - 1) for k, v in value.items())
+        if depth and isinstance(value, (list, tuple, set, frozenset)):
+            return any(holds(v, depth - 1) for v in value)
+        return False
+
+    for name, value in vars(optimizer).items():
+        if name not in ("param_groups", "state", "defaults") and holds(value, 3):
+            return name
+    return None
 
 
 def _map_float_tensors(data: Any, fn: Callable[[Tensor], Tensor]) -> Any:
@@ -536,7 +604,8 @@ def held_bytes(module: Module, optimizers: list[Optimizer], precision: Any = Non
 
     params = list(module.parameters())
     opt_params = [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
-    extra = [*getattr(precision, "_masters", {}).values(), *getattr(precision, "_comp", {}).values()]
+    state = getattr(precision, "training_state", None)
+    extra = state.extra_tensors() if state is not None else []
     out = {"weights": nbytes(params), "master": nbytes(extra + opt_params)}
     out["grads"] = nbytes(p.grad for p in params + opt_params)
     out["state"] = nbytes(v for opt in optimizers for st in opt.state.values() for v in st.values())
@@ -552,8 +621,8 @@ def bytes_per_param(mode: str, master: Optional[str] = None, state_tensors: int 
     """
     if mode in ("fp32", "auto", "bf16-mixed"):
         parts = {"weights": 4, "master": 0, "grads": 4, "state": 4 * state_tensors}
-    elif master == "fp32":
-        parts = {"weights": 2, "master": 4, "grads": 4, "state": 4 * state_tensors}
+    elif master == "fp32":  # fp32 grads exist inside the optimizer step only
+        parts = {"weights": 2, "master": 4, "grads": 2, "state": 4 * state_tensors}
     else:
         parts = {"weights": 2, "master": 2, "grads": 2, "state": 2 * state_tensors}
     parts["total"] = sum(parts.values())

@@ -70,3 +70,17 @@ def test_default_checkpoint_io_is_atomic_and_resume_is_exact(tmp_path):
     for a, b in zip(straight.parameters(), resumed.parameters()):
         assert torch.equal(a, b)
     assert resumed.losses == straight.losses[8:]
+
+
+def test_checkpoint_file_mode_follows_the_umask_like_torch_save(tmp_path):
+    """mkstemp makes 0600 files: a checkpoint must get torch.save's 0666 minus the umask, like Lightning's IO."""
+    old = os.umask(0o022)
+    try:
+        for mask in (0o022, 0o077, 0o002):
+            os.umask(mask)
+            ours, theirs = tmp_path / f"ours-{mask:o}.ckpt", tmp_path / f"torch-{mask:o}.ckpt"
+            AtomicCheckpointIO().save_checkpoint({"w": torch.zeros(2)}, ours)
+            torch.save({"w": torch.zeros(2)}, theirs)
+            assert ours.stat().st_mode & 0o777 == theirs.stat().st_mode & 0o777 == 0o666 & ~mask
+    finally:
+        os.umask(old)

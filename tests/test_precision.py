@@ -92,7 +92,7 @@ def loader(n: int = 64, batch: int = 8) -> torch.utils.data.DataLoader:
 
 def snapshot(module, optimizer, plugin) -> list[torch.Tensor]:
     out = [t.detach().clone() for t in module.state_dict().values()]
-    out += [t.detach().clone() for t in (*plugin._masters.values(), *plugin._comp.values())]
+    out += [t.detach().clone() for t in plugin.training_state.extra_tensors()]
     out += [v.clone() for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
     return out
 
@@ -193,15 +193,19 @@ def test_dtypes_of_weights_grads_and_state(name):
     assert model.fc1.weight.dtype == torch.bfloat16 and tr.precision == "bf16-true"
     assert model.seen["weight_in_forward"] == (torch.bfloat16 if bf16_compute else torch.float32)
     if plugin.master == "fp32":
-        # the optimizer holds the fp32 masters and their fp32 grads; the bf16 module grads were moved there
+        # during the step the optimizer holds the fp32 masters and their fp32 grads (moved from the module)
         assert grab.group_dtypes == {torch.float32} and grab.grad_dtypes == {torch.float32}
         assert all(g is None for g in grab.module_grads)
+        # between steps it holds the module's parameters (zero_grad, toggle_optimizer act on what backward fills)
+        held = {id(p) for g in opt.param_groups for p in g["params"]}
+        assert held == {id(p) for p in model.parameters()}
         assert state_dtypes == {"step": torch.float32, "exp_avg": torch.float32, "exp_avg_sq": torch.float32}
-        assert all(m.dtype == torch.float32 for m in plugin._masters.values())
+        assert all(m.dtype == torch.float32 for m in plugin.training_state.extra_tensors())
     else:
         assert grab.group_dtypes == {torch.bfloat16} and grab.grad_dtypes == {torch.bfloat16}
         assert state_dtypes == {"step": torch.float32, "exp_avg": torch.bfloat16, "exp_avg_sq": torch.bfloat16}
-        assert len(plugin._comp) == 7 and all(c.dtype == torch.bfloat16 for c in plugin._comp.values())
+        assert len(plugin.training_state.extra_tensors()) == 7
+        assert all(c.dtype == torch.bfloat16 for c in plugin.training_state.extra_tensors())
         held = hp.held_bytes(model, tr.optimizers, plugin)
         n = sum(p.numel() for p in model.parameters())
         assert hp.bytes_per_param("bf16-true", "kahan")["total"] == 10  # 62.5% of fp32's 16
@@ -267,7 +271,7 @@ def test_kahan_keeps_tiny_updates_that_naive_bf16_loses():
     fp32_move = 1.0 - ref.w.double()
     assert torch.allclose(fp32_move, torch.full_like(fp32_move, moved), rtol=1e-4)
     assert (1.0 - naive.w.double()).abs().max() < 0.1 * moved  # naive bf16 lost more than 90% of the movement
-    true_w = kahan.w.double() + plugin._comp[kahan.w].double()  # the weight Kahan carries: bf16 + compensation
+    true_w = kahan.w.double() + plugin.training_state.compensation(kahan.w).double()  # the weight Kahan carries: bf16 + compensation
     assert ((1.0 - true_w) - fp32_move).abs().max() < 1e-2 * moved  # within 1% of fp32's movement
     assert (kahan.w.double() - ref.w.double()).abs().max() <= 2.0**-9  # and the bf16 weight within half an ulp
 
@@ -382,18 +386,17 @@ def test_stop_and_resume_continues_bit_identically(name, tmp_path):
     assert resumed.losses == full.losses[6:]
     for a, b in zip(full.state_dict().values(), resumed.state_dict().values()):
         assert torch.equal(a, b)
-    for store in ("_masters", "_comp"):
-        full_store, res_store = getattr(full_plugin, store), getattr(plugin, store)
-        assert len(full_store) == len(res_store)
-        for a, b in zip(full_store.values(), res_store.values()):
-            assert torch.equal(a, b)
+    full_store, res_store = full_plugin.training_state.extra_tensors(), plugin.training_state.extra_tensors()
+    assert len(full_store) == len(res_store)
+    for a, b in zip(full_store, res_store):
+        assert torch.equal(a, b)
 
 
 def test_kahan_checkpoint_resumes_under_bf16_mixed_with_full_precision(tmp_path):
     data, ckpt = loader(16), ModelCheckpoint(dirpath=tmp_path, filename="last")
     kahan_plugin, model = HorizonPrecision("bf16-true"), TinyLM()
     trainer(kahan_plugin, max_epochs=1, callbacks=[ckpt], enable_checkpointing=True).fit(model, data)
-    carried = {n: p.float() + kahan_plugin._comp[p].float() for n, p in model.named_parameters()}
+    carried = {n: p.float() + kahan_plugin.training_state.compensation(p).float() for n, p in model.named_parameters()}
     mixed = TinyLM()
     trainer(HorizonPrecision("bf16-mixed"), max_epochs=1).fit(mixed, data, ckpt_path=str(tmp_path / "last.ckpt"))
     for n, p in mixed.named_parameters():  # nothing trains (max_epochs reached): weights are what was loaded
@@ -435,7 +438,7 @@ for name in ("true-kahan", "true-kahan-c32", "true-fp32-c32"):
     tr = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=4, logger=False, enable_progress_bar=False,
                    enable_model_summary=False, enable_checkpointing=False, plugins=[plugin])
     tr.fit(model, loader(64))
-    out[name] = [*model.state_dict().values(), *plugin._comp.values(), *plugin._masters.values()]
+    out[name] = [*model.state_dict().values(), *plugin.training_state.extra_tensors()]
 torch.save(out, sys.argv[1] + f".rank{tr.global_rank}")
 tr.strategy.barrier()  # rank 0 must not exit (and the launcher reap rank 1) before rank 1 has saved
 """
@@ -454,3 +457,176 @@ def test_ddp_ranks_stay_identical(tmp_path):
         assert len(ranks[0][name]) > 7
         for a, b in zip(ranks[0][name], ranks[1][name]):
             assert torch.equal(a, b), name
+
+
+# ------------------------------------------------------------------------------------- composition defects
+
+
+class TwoOptimizers(L.LightningModule):
+    """GAN-style manual optimization: loss 1 steps ``a`` only, loss 2 steps ``b`` only (plain SGD, lr 1).
+
+    Loss 1 = 1000 * a * b gives ``b`` a gradient of 1000 that must not reach the second step: ``toggle_optimizer``
+    freezes ``b`` during it and ``zero_grad`` clears what is left. Loss 2 = 2 * b: b must move by exactly -2.
+    All values are exact in bf16, so every mode must end with the same weights.
+    """
+
+    def __init__(self, clip: float | None = None) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.a, self.b = nn.Parameter(torch.ones(4)), nn.Parameter(torch.zeros(4))
+        self.clip = clip
+        self.used_norms: list[float] = []
+
+    def training_step(self, batch: torch.Tensor, _: int) -> None:
+        opt_a, opt_b = self.optimizers()
+        self.toggle_optimizer(opt_a)
+        self.manual_backward(1000 * (self.a * self.b + self.a).sum() + 0 * batch.sum())
+        if self.clip is not None:
+            self.clip_gradients(opt_a, gradient_clip_val=self.clip, gradient_clip_algorithm="norm")
+        opt_a.step()
+        opt_a.zero_grad()
+        self.untoggle_optimizer(opt_a)
+        self.toggle_optimizer(opt_b)
+        self.manual_backward(2 * self.b.sum())
+        opt_b.step()
+        opt_b.zero_grad()
+        self.untoggle_optimizer(opt_b)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([self.a], lr=1e-3), torch.optim.SGD([self.b], lr=1.0)
+
+
+class UsedNorm(Callback):
+    """The norm of the gradients each optimizer step really uses (after clipping, inside the step)."""
+
+    def __init__(self) -> None:
+        self.norms: list[float] = []
+
+    def on_train_start(self, trainer, pl_module):
+        for opt in trainer.optimizers:
+            opt.register_step_pre_hook(
+                lambda o, *_: self.norms.append(float(total_norm_fp32([p for g in o.param_groups for p in g["params"]])))
+            )
+
+
+@pytest.mark.parametrize("name", ["bf16-mixed", "true-fp32-c32", "true-kahan-c32"])
+def test_manual_two_optimizers_toggle_and_zero_grad_act_on_what_backward_fills(name):
+    model = TwoOptimizers()
+    # manual optimization counts every optimizer step: 4 steps = 2 batches
+    trainer(HorizonPrecision(**MODES[name]), steps=4).fit(model, torch.utils.data.DataLoader(torch.zeros(4, 1)))
+    # a: steps of -1e-3 * 1000 * (b + 1) with b = 0 then -2 (1 -> 0 -> 1); b: two steps of exactly -2, no leak
+    assert torch.equal(model.b.detach().float(), torch.full((4,), -4.0)), model.b
+    assert torch.allclose(model.a.detach().float(), torch.ones(4), atol=1e-2), model.a
+
+
+@pytest.mark.parametrize("name", ["bf16-mixed", "true-fp32-c32", "true-kahan-c32"])
+def test_manual_clip_gradients_clips_what_the_step_uses(name):
+    model, used = TwoOptimizers(clip=1e-3), UsedNorm()
+    trainer(HorizonPrecision(**MODES[name]), steps=4, callbacks=[used]).fit(
+        model, torch.utils.data.DataLoader(torch.zeros(4, 1)))
+    # every step of optimizer a used a clipped gradient (unclipped: 2000 and more)
+    assert len(used.norms) == 4 and all(n <= 1e-3 * 1.01 for n in used.norms[0::2]), used.norms
+
+
+class OwnListSGD(torch.optim.Optimizer):
+    """An optimizer that steps its own list of parameters instead of reading param_groups at step time."""
+
+    def __init__(self, params, lr: float = 0.1) -> None:
+        self.params = list(params)
+        super().__init__(self.params, dict(lr=lr))
+
+    def step(self, closure=None):
+        if closure is not None:
+            with torch.enable_grad():
+                closure()
+        with torch.no_grad():
+            self._update()
+
+    def _update(self) -> None:
+        for p in self.params:
+            if p.grad is not None:
+                p.add_(p.grad, alpha=-self.defaults["lr"])
+
+
+@pytest.mark.parametrize("master", ["fp32", "kahan"])
+def test_bf16_true_refuses_an_optimizer_with_its_own_parameter_list(master):
+    model = TinyLM()
+    model.configure_optimizers = lambda: OwnListSGD(model.parameters())
+    with pytest.raises(ValueError, match=r"bf16-true.*OwnListSGD.*OwnListSGD\.params.*bf16-mixed"):
+        trainer(HorizonPrecision("bf16-true", master=master, compute="fp32"), steps=1).fit(model, loader(8))
+    # bf16-mixed steps the module's own parameters: any optimizer works
+    model = TinyLM()
+    before = model.fc1.weight.detach().clone()
+    model.configure_optimizers = lambda: OwnListSGD(model.parameters())
+    trainer(HorizonPrecision("bf16-mixed", compute="fp32"), steps=1).fit(model, loader(8))
+    assert not torch.equal(before, model.fc1.weight)
+
+
+def test_bf16_true_refuses_zero_redundancy_optimizer(monkeypatch):
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29581")
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)  # conftest destroys it
+    model = TinyLM()
+    model.configure_optimizers = lambda: ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+    with pytest.raises(ValueError, match=r"bf16-true.*ZeroRedundancyOptimizer"):
+        trainer(HorizonPrecision("bf16-true", compute="fp32"), steps=1).fit(model, loader(8))
+
+
+class SkipsABatch(TinyLM):
+    """Returns None (a skipped batch) at batch 2; records the lr between steps, where no scale may be applied."""
+
+    def __init__(self) -> None:
+        super().__init__(lr=0.025)
+        self.lrs: list[float] = []
+
+    def on_train_batch_start(self, batch, batch_idx):
+        self.lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return None if batch_idx == 2 else loss
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=self.lr)
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=4)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+@pytest.mark.parametrize("name", ["bf16-mixed", "true-fp32-c32", "true-kahan-c32"])
+def test_a_skipped_batch_leaves_no_backoff_scale_on_the_scheduler_lr(name):
+    from lightning_horizon import GradNormBackoff
+
+    model = SkipsABatch()
+    backoff = GradNormBackoff(max_norm=None, spike_threshold=1e-9, factor=0.5)  # every step a spike: scale < 1
+    trainer(HorizonPrecision(**MODES[name]), steps=5, callbacks=[backoff]).fit(model, loader(40))
+    import math
+
+    cosine = [0.025 * (1 + math.cos(math.pi * t / 4)) / 2 for t in range(5)]
+    assert model.lrs == pytest.approx(cosine, rel=1e-6), model.lrs
+    assert backoff.lr_scale < 1
+
+
+class SeesInputs(TinyLM):
+    """Records what training_step receives: the batch's dtypes and the default dtype."""
+
+    def training_step(self, batch, batch_idx):
+        tokens, weights = batch
+        self.seen_inputs = (tokens.dtype, weights.dtype, torch.get_default_dtype())
+        logits = self(tokens[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, V).float(), tokens[:, 1:].reshape(-1), reduction="none")
+        return (loss * weights.float().repeat_interleave(T)).mean()
+
+
+@pytest.mark.parametrize("kwargs, expected", [
+    (dict(mode="bf16-true", compute="bf16"), (torch.long, torch.bfloat16, torch.bfloat16)),  # = Lightning's bf16-true
+    (dict(mode="bf16-true", compute="fp32"), (torch.long, torch.float32, torch.float32)),
+    (dict(mode="bf16-mixed", compute="bf16"), (torch.long, torch.float32, torch.float32)),
+])
+def test_bf16_true_casts_float_inputs_and_default_dtype_only_with_bf16_compute(kwargs, expected):
+    model = SeesInputs()
+    data = torch.utils.data.TensorDataset(markov(8), torch.rand(8))
+    trainer(HorizonPrecision(**kwargs), steps=1).fit(model, torch.utils.data.DataLoader(data, batch_size=8))
+    assert model.seen_inputs == expected
+    assert torch.get_default_dtype() == torch.float32  # nothing leaks out of the step

@@ -5,26 +5,42 @@ parameters across nodes every ``k`` optimizer steps, divides the inter-node traf
 SGD, Lin et al. 2020). The first ``warmup_steps`` steps still reduce gradients across the world, because early
 training is the most sensitive to the nodes drifting apart.
 
-All ranks of a node hold bitwise-equal parameters (same reduced gradients, same optimizer), so the average needs
+The average is over the true weights (``TrainingState``: an fp32 master, or a bf16 weight plus its Kahan
+compensation), so that every rank's true weights are identical after every sync. All ranks of a node hold
+bitwise-equal parameters (same reduced gradients, same optimizer), so the average needs
 no reduce-scatter: each local rank averages its own 1/L slice of the flattened parameters across nodes, then the
 node all-gathers the slices, the same path as the hierarchical allreduce.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
 from lightning_horizon.collectives.comm import Comm
 from lightning_horizon.collectives.cost_model import round_up
+from lightning_horizon.state import TrainingState
 
 
 class PeriodicSync:
     """The step counter of local SGD, and the cross-node parameter average it triggers."""
 
-    def __init__(self, every: int, warmup_steps: int, params: list[torch.Tensor], row: Comm, col: Comm) -> None:
+    def __init__(
+        self,
+        every: int,
+        warmup_steps: int,
+        params: list[torch.Tensor],
+        row: Comm,
+        col: Comm,
+        state: Optional[TrainingState] = None,
+    ) -> None:
         self.every, self.warmup_steps = every, warmup_steps
         self.params = params
+        #: the owner of the true weights: the average is taken over them (fp32 masters, bf16 + compensation),
+        #: not over the module's rounded parameters
+        self.state = state if state is not None else TrainingState()
         self.row, self.col = row, col
         #: optimizer steps taken after a gradient reduction (checkpointed: the warm-up and phase survive a resume)
         self.step = 0
@@ -52,23 +68,22 @@ class PeriodicSync:
             return True
         return False
 
-    @torch.no_grad()
     def average_parameters(self) -> None:
         self.syncs += 1
         if self.col.size == 1:
             return  # one node: nothing to average
-        flat = torch.cat([p.detach().reshape(-1).float() for p in self.params])
+        self.state.average(self.params, self._allreduce_mean)
+
+    def _allreduce_mean(self, flat: torch.Tensor) -> None:
+        """Average ``flat`` across nodes in place: each local rank averages its 1/L slice, the node gathers them."""
         n, rows = flat.numel(), self.row.size
-        flat = F.pad(flat, (0, round_up(n, rows) - n))
-        m = flat.numel() // rows
-        mine = flat[self.row.index * m : (self.row.index + 1) * m].clone()
+        padded = F.pad(flat, (0, round_up(n, rows) - n))
+        m = padded.numel() // rows
+        mine = padded[self.row.index * m : (self.row.index + 1) * m].clone()
         self.col.allreduce(mine)
         mine.div_(self.col.size)
-        self.row.all_gather(flat, mine)
-        offset = 0
-        for p in self.params:
-            p.copy_(flat[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
+        self.row.all_gather(padded, mine)
+        flat.copy_(padded[:n])
 
     def state_dict(self) -> dict:
         return {"step": self.step, "syncs": self.syncs}

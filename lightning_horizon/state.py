@@ -1,0 +1,98 @@
+"""TrainingState: the one owner of the true weights.
+
+A module parameter is not always the whole truth about a weight. Under ``HorizonPrecision("bf16-true")`` the
+bf16 parameter is a rounded view of it: the true value is an fp32 master (``master="fp32"``) or the bf16 weight
+plus a bf16 compensation holding the low bits (``master="kahan"``). Every part that reads, writes or averages
+weights (local SGD's periodic average, checkpoints, tests comparing ranks) asks this object, never the module
+or the precision plugin's storage: when local SGD averaged the bf16 parameters alone, each node's fp32 master
+wrote its own value back over the average at the next step and the nodes never agreed again.
+
+The precision policy registers where each parameter's truth lives; a parameter nobody registered is its own
+truth (fp32 training, bf16-mixed).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Optional
+
+import torch
+from torch import Tensor
+
+MODULE, MASTER, COMPENSATED = "module", "fp32 master", "bf16 + compensation"
+
+
+class TrainingState:
+    """Where each parameter's true value lives, and how to read, write and average it."""
+
+    def __init__(self) -> None:
+        self._masters: dict[Tensor, Tensor] = {}  # module parameter -> fp32 master
+        self._compensation: dict[Tensor, Tensor] = {}  # module parameter -> bf16 Kahan compensation
+
+    # ------------------------------------------------------------------ registration (precision policies)
+
+    def register_master(self, param: Tensor, master: Tensor) -> None:
+        self._compensation.pop(param, None)
+        self._masters[param] = master
+
+    def register_compensation(self, param: Tensor, compensation: Tensor) -> None:
+        self._masters.pop(param, None)
+        self._compensation[param] = compensation
+
+    def master(self, param: Tensor) -> Optional[Tensor]:
+        return self._masters.get(param)
+
+    def compensation(self, param: Tensor) -> Optional[Tensor]:
+        return self._compensation.get(param)
+
+    def extra_tensors(self) -> list[Tensor]:
+        """Every tensor held besides the module's parameters (for memory accounting)."""
+        return [*self._masters.values(), *self._compensation.values()]
+
+    # ------------------------------------------------------------------ the true weights
+
+    def where(self, param: Tensor) -> str:
+        """``"module"``, ``"fp32 master"`` or ``"bf16 + compensation"``."""
+        if param in self._masters:
+            return MASTER
+        return COMPENSATED if param in self._compensation else MODULE
+
+    @torch.no_grad()
+    def read(self, param: Tensor) -> Tensor:
+        """The true value of ``param`` as a new fp32 tensor."""
+        master = self._masters.get(param)
+        if master is not None:
+            return master.detach().to(torch.float32, copy=True)
+        comp = self._compensation.get(param)
+        value = param.detach().to(torch.float32, copy=True)
+        return value.add_(comp) if comp is not None else value
+
+    @torch.no_grad()
+    def write(self, param: Tensor, value: Tensor) -> None:
+        """Make ``value`` (any float dtype) the true value of ``param``: the module parameter gets it rounded to its
+        dtype; a master takes it whole, a compensation takes what the rounding lost."""
+        master = self._masters.get(param)
+        if master is not None:
+            master.copy_(value)
+            param.copy_(master)
+            return
+        param.copy_(value)
+        comp = self._compensation.get(param)
+        if comp is not None:
+            comp.copy_(value.float() - param.float())
+
+    @torch.no_grad()
+    def average(self, params: Iterable[Tensor], allreduce_mean: Callable[[Tensor], None]) -> None:
+        """Replace the true value of every parameter by its average: ``allreduce_mean`` averages one flat fp32
+        tensor in place across the ranks that take part (one call for all parameters)."""
+        params = list(params)
+        if not params:
+            return
+        flat = torch.cat([self.read(p).reshape(-1) for p in params])
+        allreduce_mean(flat)
+        offset = 0
+        for p in params:
+            self.write(p, flat[offset : offset + p.numel()].view(p.shape))
+            offset += p.numel()
+
+
+__all__ = ["TrainingState", "MODULE", "MASTER", "COMPENSATED"]

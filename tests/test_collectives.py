@@ -2,10 +2,11 @@
 
 * tests/scripts/collectives_ddp.py: raw torch DDP on gloo, 4 ranks as 2 emulated nodes x 2 (fork, cheap):
   gradient parity of every hook with DDP's own allreduce over 100 iterations, bitwise agreement across ranks,
-  error feedback, byte accounting vs the cost model, loss trajectories, compressed training, local SGD.
+  error feedback, byte accounting vs the cost model, loss trajectories, compressed training, local SGD, bf16
+  buckets summed in fp32, error feedback through a non-finite step.
 * tests/scripts/collectives_fit.py: Lightning fits with HorizonStrategy(collectives=...) on the same 4 ranks,
   in one launch: trajectories vs Lightning's DDP, hook registration on CPU, checkpoint resume of the error
-  feedback and of the local-SGD counters.
+  feedback and of the local-SGD counters, GradNormBackoff under local SGD and through a NaN with int8.
 
 Each launch runs once per module (fixtures); the tests below read what it wrote.
 """
@@ -193,6 +194,8 @@ DDP_CHECKS = (
     + ["auto_choices_odd", "trajectory_hierarchical", "trajectory_torus2d"]
     + ["compressed_training_hierarchical_int8", "compressed_training_flat_bf16"]
     + ["local_sgd_schedule", "local_sgd_state"]
+    + [f"bf16_sum_{v}" for v in ("flat", "hierarchical", "torus2d", "local_sgd")]
+    + [f"nonfinite_{v}" for v in ("flat_int8", "hierarchical_int8", "torus2d_bf16")]
 )
 
 
@@ -264,3 +267,30 @@ def test_lightning_resume_continues_local_sgd_without_a_new_warmup(fits):
         assert ranks["local_sgd_whole"]["state_at_end"]["periodic"] == {"step": 20, "syncs": 3}
         # The checkpoint fell on a sync: every node resumes from what rank 0 saved, exactly as it would have run.
         assert ranks["local_sgd_resumed"]["losses"] == ranks["local_sgd_whole"]["losses"][10:]
+
+
+def test_backoff_under_local_sgd_clips_each_node_by_its_own_norm(fits):
+    """Between parameter averages each node has its own gradients: GradNormBackoff clips a node by the node's
+    norm (a world norm would shrink node 0's step by node 1's), while spikes, skips and the lr scale stay
+    world-wide, identical on every rank."""
+    from tests.scripts.collectives_fit import BACKOFF_MAX_NORM, BACKOFF_SPIKE
+
+    steps = [ranks["backoff_local_sgd"]["steps"] for ranks in fits]
+    assert len(steps[0]) == 10
+    for i in range(10):
+        row = [s[i] for s in steps]
+        node0, node1 = row[0]["norm"], row[2]["norm"]
+        assert row[1]["norm"] == node0 and row[3]["norm"] == node1  # equal gradients inside a node
+        assert BACKOFF_MAX_NORM < node0 < BACKOFF_SPIKE < node1  # both clipped; only node 1 spikes
+        assert all(r["clipped"] == pytest.approx(BACKOFF_MAX_NORM, rel=1e-3) for r in row)
+        assert all(r["world"] == node1 and r["scale"] == pytest.approx(0.8 ** (i + 1)) for r in row)
+        assert len({(r["world"], r["scale"]) for r in row}) == 1
+
+
+def test_backoff_skips_a_nan_step_under_int8_and_the_run_goes_on(fits):
+    for ranks in fits:
+        steps = ranks["int8_nan"]["steps"]
+        assert [s["skipped"] for s in steps] == [0, 0, 0] + [1] * 7  # NaN on rank 1 at step 3: every rank skips
+        assert all(s["finite"] for s in steps) and all(math.isfinite(x) for x in ranks["int8_nan"]["losses"])
+        residual = ranks["int8_nan"]["state_at_end"]["residual"]
+        assert residual and all(math.isfinite(v) for sums in residual.values() for v in sums)

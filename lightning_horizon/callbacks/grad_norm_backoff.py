@@ -5,10 +5,12 @@ Where it acts. Lightning calls ``on_before_optimizer_step`` inside ``optimizer.s
 optimizer touches a weight. That single point is used for everything:
 
 1. the fp32 norm of the gradients the step will use (the optimizer's own params: fp32 masters under
-   HorizonPrecision), made identical on every rank by a tiny MAX all-reduce of ``[norm, is_nan, is_inf]``;
+   HorizonPrecision), made identical on every rank by a tiny MAX all-reduce of ``[norm, is_nan, is_inf]``
+   (one row per node under HorizonStrategy's local SGD, where nodes hold different gradients between averages:
+   each node clips by its own norm, the decision below uses the world's);
 2. the decision: non-finite -> skip (every grad set to None, so torch optimizers leave weights, moments and step
    counts untouched) and back off; spike -> back off; otherwise count a healthy step and maybe recover;
-3. clipping to ``max_norm`` with :func:`lightning_horizon.gradnorm.clip_grads_`;
+3. clipping to ``max_norm`` with :func:`lightning_horizon.gradnorm.clip_grads_` (by the node's norm);
 4. the LR scale: every ``param_group["lr"]`` is multiplied by the scale here, just before the update, and put back
    to the exact value it had by a torch step post-hook, right after the update. Schedulers therefore only ever
    see their own lr -- LambdaLR/OneCycleLR (recompute from ``base_lrs``) and CosineAnnealingLR/LinearLR (build on
@@ -187,8 +189,7 @@ class GradNormBackoff(Callback):
         self._restore_lr(optimizer, only_if_mine=True)
 
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        norm_t = total_norm_fp32(params, self.norm_type)
-        norm = _agree_across_ranks(norm_t)
+        norm, clip_norm = _agree_across_ranks(total_norm_fp32(params, self.norm_type), *_node_of(trainer))
         st.steps += 1
         st.last_grad_norm = norm
         step = trainer.global_step
@@ -232,8 +233,8 @@ class GradNormBackoff(Callback):
                 _rank_zero(trainer, log.info, "GradNormBackoff: %d healthy steps at step %d: lr scale %.4g -> %.4g.",
                            self.recover_after, step, old, st.scale)
 
-        if self.max_norm is not None and norm > self.max_norm:
-            clip_grads_(params, self.max_norm, torch.tensor(norm, dtype=torch.float32))
+        if self.max_norm is not None and clip_norm > self.max_norm:
+            clip_grads_(params, self.max_norm, torch.tensor(clip_norm, dtype=torch.float32))
         self._apply_lr_scale(optimizer, st.scale)
         self._log(trainer, pl_module, idx, st)
 
@@ -332,23 +333,38 @@ class GradNormBackoff(Callback):
             pl_module.log(f"{self.log_prefix}{name}{suffix}", value, on_step=True, on_epoch=False, logger=True)
 
 
-def _agree_across_ranks(norm: Tensor) -> float:
-    """The norm as a float that every rank holds identically: MAX over ranks of [finite norm, is_nan, is_inf].
+def _node_of(trainer: "pl.Trainer") -> tuple[int, int]:
+    """``(this rank's node, nodes)`` when nodes hold different gradients at a step, else ``(0, 1)``.
 
-    DDP has averaged the gradients before this point, so the ranks' norms already agree; the all-reduce (3 floats)
-    makes the decision identical by construction, even if a rank's gradients differ (e.g. unsynced parameters).
+    That is HorizonStrategy's local SGD (``sync_every > 1``) on several nodes: between parameter averages a
+    node's gradients are reduced inside the node only, so each node clips by its own norm.
+    """
+    strategy = trainer.strategy
+    groups, config = getattr(strategy, "process_groups", None), getattr(strategy, "collectives_config", None)
+    if groups is None or config is None or config.sync_every == 1:
+        return 0, 1
+    return groups.topology.node_rank, groups.topology.num_nodes
+
+
+def _agree_across_ranks(norm: Tensor, node: int = 0, nodes: int = 1) -> tuple[float, float]:
+    """``(world norm, this node's norm)`` as floats that every rank (of the node) holds identically.
+
+    One MAX all-reduce over the world of ``[finite norm, is_nan, is_inf]`` per node, each rank filling its node's
+    row (norms are >= 0, so the zeros elsewhere change nothing): a node's row is the MAX over its ranks, and the
+    world norm (NaN if any node's is, else the largest) drives the skip/spike decision, identical on every rank.
+    DDP has averaged the gradients before this point, so the ranks of a node already agree; the all-reduce makes
+    the decision identical by construction, even if a rank's gradients differ (e.g. unsynced parameters).
     """
     value = norm.detach().float().reshape(())
     finite = bool(torch.isfinite(value))
-    packed = torch.tensor([value.item() if finite else 0.0, float(bool(torch.isnan(value))),
-                           float(bool(torch.isinf(value)))], dtype=torch.float64)
+    packed = torch.zeros(nodes, 3, dtype=torch.float64)
+    packed[node] = torch.tensor([value.item() if finite else 0.0, float(bool(torch.isnan(value))),
+                                 float(bool(torch.isinf(value)))], dtype=torch.float64)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(packed, op=dist.ReduceOp.MAX)
-    if packed[1] > 0:
-        return float("nan")
-    if packed[2] > 0:
-        return float("inf")
-    return float(packed[0])
+    norms = [float("nan") if is_nan else float("inf") if is_inf else v for v, is_nan, is_inf in packed.tolist()]
+    world = float("nan") if any(math.isnan(n) for n in norms) else max(norms)
+    return world, norms[node]
 
 
 def _rank_zero(trainer: "pl.Trainer", fn: Any, *args: Any) -> None:

@@ -1,4 +1,6 @@
-"""The allreduce algorithms, in place on one flat fp32 tensor: flat, and two-level (hierarchical / 2D torus).
+"""The allreduce algorithms, in place on one flat tensor: flat, and two-level (hierarchical / 2D torus).
+
+The tensor is fp32, or bf16 when bf16 gradients go uncompressed; the sums are fp32 either way.
 
 Each leaves the world's sum divided by ``divisor`` in the tensor and returns, when compressing, what this rank's
 encodings lost in the tensor's layout (the error feedback's new residual, in units of the sum). Every collective
@@ -22,8 +24,20 @@ from lightning_horizon.collectives.compression import Codec, compressed_allreduc
 from lightning_horizon.collectives.cost_model import chunk_sizes
 
 
+def narrow(x: torch.Tensor) -> bool:
+    """bf16 (or fp16): gloo's allreduce would sum it in its own type, rounding every partial sum."""
+    return x.element_size() < 4
+
+
 def flat(x: torch.Tensor, world: Comm, codec: Optional[Codec], divisor: int) -> Optional[torch.Tensor]:
-    """One allreduce over the world (compressed: all-to-all, fp32 sum, all-gather)."""
+    """One allreduce over the world (compressed: all-to-all, fp32 sum, all-gather).
+
+    A bf16 tensor (bf16-true weights) never goes through gloo's allreduce, which adds in bf16 and rounds every
+    partial sum: it is reduce-scattered and all-gathered in bf16 (the bytes of a bf16 allreduce), summed in fp32
+    in between, so the result is the fp32 sum rounded once.
+    """
+    if codec is None and narrow(x) and world.size > 1:
+        return two_level(x, world, None, None, x.numel(), divisor)
     if codec is None or world.size == 1:
         world.allreduce(x)
         x.div_(divisor)
@@ -34,7 +48,7 @@ def flat(x: torch.Tensor, world: Comm, codec: Optional[Codec], divisor: int) -> 
 
 
 def two_level(
-    x: torch.Tensor, row: Comm, col: Comm, codec: Optional[Codec], chunk_numel: int, divisor: int
+    x: torch.Tensor, row: Comm, col: Optional[Comm], codec: Optional[Codec], chunk_numel: int, divisor: int
 ) -> Optional[torch.Tensor]:
     """Reduce-scatter along the row, allreduce each slice along the column, all-gather along the row.
 
@@ -47,12 +61,16 @@ def two_level(
     column (the slow link), the row reduce-scatters chunk k+1 and all-gathers chunk k-1. Row and column are
     different process groups, so their collectives run side by side. Chunk k's all-gather writes over chunk k
     of the input, which its reduce-scatter has finished reading; chunk k+1, being read, is elsewhere.
+
+    Sums are fp32 whatever the tensor's dtype: a bf16 tensor crosses the row in bf16, its slices are summed
+    and cross the column in fp32 (a partial sum in bf16 would be rounded), and the all-gather rounds the final
+    average to bf16 once. ``col=None``: no column stage (:func:`flat` of a bf16 tensor).
     """
     n = x.numel()
     sizes = chunk_sizes(n, row.size, chunk_numel)
     work = x if sum(sizes) == n else F.pad(x, (0, sum(sizes) - n))
     pieces = work.split(sizes)
-    error = torch.zeros_like(work) if codec is not None and col.size > 1 else None
+    error = torch.zeros_like(work) if codec is not None and col is not None and col.size > 1 else None
     gathers, slices = [], []  # running all-gathers, and the slices they send (alive until waited)
     started = row.reduce_scatter_start(pieces[0])
     for k in range(len(sizes)):
@@ -63,7 +81,7 @@ def two_level(
             mine, slice_error = compressed_allreduce(mine, col, codec)
             m, offset = mine.numel(), sum(sizes[:k])
             error[offset + row.index * m : offset + (row.index + 1) * m] = slice_error
-        else:
+        elif col is not None:
             col.allreduce(mine)
         mine.div_(divisor)
         slices.append(mine)

@@ -95,22 +95,23 @@ class Comm:
         """Start a reduce-scatter of ``tensor`` (length divisible by g); :meth:`reduce_scatter_finish` sums.
 
         An all-to-all and a local fp32 sum in member order: (g-1)/g of the tensor on the wire, where gloo's own
-        reduce_scatter runs a full allreduce (twice the bytes) and keeps one chunk.
+        reduce_scatter runs a full allreduce (twice the bytes) and keeps one chunk. A bf16 tensor goes on the wire
+        in bf16 and is still summed in fp32.
         """
         # One reduce-scatter runs at a time on a Comm (the pipeline finishes one before starting the next), so
         # one receive buffer serves them all: no bucket-sized allocation per call.
-        if self._received.numel() < tensor.numel():
+        if self._received.numel() < tensor.numel() or self._received.dtype != tensor.dtype:
             self._received = torch.empty(tensor.numel(), dtype=tensor.dtype)
         received = self._received[: tensor.numel()].view(self.size, -1)
         return self.all_to_all(received, tensor.view(self.size, -1), async_op=True), received
 
     @staticmethod
     def reduce_scatter_finish(started: tuple[Optional[Pending], torch.Tensor]) -> torch.Tensor:
-        """This member's 1/g slice of the group's sum."""
+        """This member's 1/g slice of the group's sum, in fp32 (whatever the dtype on the wire)."""
         work, received = started
         if work is not None:
             work.wait()
-        return received.sum(dim=0)
+        return received.sum(dim=0, dtype=torch.float32)
 
     def all_gather(self, out: torch.Tensor, tensor: torch.Tensor, async_op: bool = False) -> Optional[Pending]:
         """Concatenate every member's ``tensor`` into ``out`` in member order: ``tensor`` goes to every member.
@@ -118,10 +119,10 @@ class Comm:
         Paired isend/irecv again: gloo's all_gather moved the same bytes 3-10x slower here.
         """
         rows = out.view(self.size, -1)
-        rows[self.index].copy_(tensor.reshape(-1))
+        rows[self.index].copy_(tensor.reshape(-1))  # in ``out``'s dtype: an fp32 sum is sent as bf16 into bf16
         if self.size == 1:
             return None
-        self._pairwise(_nbytes(tensor))
+        self._pairwise(_nbytes(rows[self.index]))
         return self._exchange([(rows[self.index], rows[j], j) for j in self._peers], async_op)
 
 

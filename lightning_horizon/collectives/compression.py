@@ -69,8 +69,7 @@ def compressed_allreduce(x: torch.Tensor, comm: Comm, codec: Codec) -> tuple[tor
     error[comm.index * c : (comm.index + 1) * c] += total - codec.decode(mine, c).view(-1)
     gathered = torch.empty((g, mine.shape[1]), dtype=torch.uint8)
     comm.all_gather(gathered, mine)
-    # A non-finite gradient (an overflow the optimizer will skip) must not poison the residual forever.
-    torch.nan_to_num_(error, nan=0.0, posinf=0.0, neginf=0.0)
+    # A non-finite entry of ``error`` comes with a non-finite sum: the hook then keeps the previous residual.
     return codec.decode(gathered, c).view(-1)[:n], error[:n]
 
 

@@ -4,8 +4,8 @@
 probe the links, both collective), registered with ``ddp.register_comm_hook(sync, sync.hook)``, and called by
 DDP once per bucket, in bucket order, on the thread that runs backward. All collectives of a bucket are issued
 from there, in a fixed order, and have completed when the hook returns its already-completed Future. The one
-exception is the plain flat allreduce, which, like DDP's own hook, returns the allreduce's Future so that it
-overlaps with backward: its continuation only records a time, it never issues a collective.
+exception is the plain flat allreduce of an fp32 bucket, which, like DDP's own hook, returns the allreduce's
+Future so that it overlaps with backward: its continuation only records a time, it never issues a collective.
 
 The object is also a strategy "part": ``after_optimizer_step`` closes the accounting of the step (and runs
 the periodic parameter average), ``state_dict``/``load_state_dict`` carry the error-feedback residuals and the
@@ -28,6 +28,7 @@ from lightning_horizon.collectives.cost_model import CostModel
 from lightning_horizon.collectives.layout import BucketLayout
 from lightning_horizon.collectives.local_sgd import PeriodicSync
 from lightning_horizon.collectives.probe import probe
+from lightning_horizon.state import TrainingState
 from lightning_horizon.topology import ProcessGroups
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,13 @@ LOG_EVERY_N_STEPS = 100
 class GradientSync:
     """Everything the comm hooks need: groups, algorithm choice, error feedback, local SGD, accounting."""
 
-    def __init__(self, config: CollectivesConfig, groups: ProcessGroups, module: torch.nn.Module) -> None:
+    def __init__(
+        self,
+        config: CollectivesConfig,
+        groups: ProcessGroups,
+        module: torch.nn.Module,
+        state: Optional[TrainingState] = None,
+    ) -> None:
         self.config = config
         topo = self.topology = groups.topology
         self.accounting = CommAccounting()
@@ -60,7 +67,8 @@ class GradientSync:
         self.codec = Codec(config.compression, config.int8_block) if config.compression else None
         self.error_feedback = ErrorFeedback(named) if self.codec else None
         self.periodic = (
-            PeriodicSync(config.sync_every, config.sync_warmup_steps, [p for _, p in named], self.intra, self.inter)
+            PeriodicSync(config.sync_every, config.sync_warmup_steps, [p for _, p in named], self.intra, self.inter,
+                         state)
             if config.sync_every > 1
             else None
         )
@@ -149,12 +157,11 @@ class GradientSync:
             self.periodic.gradients_reduced()
             if not self.periodic.global_gradients:
                 start = time.perf_counter()
-                self.intra.allreduce(buf)
-                buf.div_(self.intra.size)
+                algorithms.flat(buf, self.intra, None, self.intra.size)
                 self.accounting.add_seconds(time.perf_counter() - start)
                 return _completed(buf)
         algorithm, chunk = self.plan_for(buf.numel())
-        if algorithm == "flat" and self.codec is None:
+        if algorithm == "flat" and self.codec is None and not algorithms.narrow(buf):
             return self._flat_overlapped(buf)
         start = time.perf_counter()
         world_size = self.topology.world_size
@@ -172,7 +179,12 @@ class GradientSync:
             error = algorithms.two_level(x, row, col, self.codec, chunk, world_size)
         if x is not buf:
             buf.copy_(x)
-        if self.error_feedback is not None:
+        # A non-finite result (an overflow or NaN on any rank; the result is bitwise the same on every rank, so
+        # every rank decides alike) keeps the bucket's previous residual: the step will be skipped, and with it
+        # the residual that went into it, which the next step sends again. Storing this step's encoding errors
+        # instead would lose that residual, and their non-finite entries would poison every later step. (A finite
+        # bucket of the same step cannot know the step will be skipped: it loses one compression error, no more.)
+        if self.error_feedback is not None and bool(torch.isfinite(x).all()):
             self.error_feedback.scatter(bucket, error)
         self.accounting.add_seconds(time.perf_counter() - start)
         return _completed(buf)

@@ -64,7 +64,7 @@ class Net(L.LightningModule):
         r = self.global_rank
         probes = [torch.tensor(1.0 + r), torch.tensor(float("nan") if r == 1 else 2.0),
                   torch.tensor(float("inf") if r == 0 else 3.0)]
-        self.agreed = [_agree_across_ranks(t) for t in probes]
+        self.agreed = [_agree_across_ranks(t)[0] for t in probes]
 
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)

@@ -34,6 +34,8 @@ WIDTH = 32
 EQUAL_BUCKET_MB = (WIDTH * WIDTH + WIDTH) * 4 / 2**20  # one Linear(32, 32) per bucket: 4 equal buckets
 ODD_BUCKET_MB = 416 * 4 / 2**20  # DDP closes a bucket once it holds >= the cap
 CHUNK_MB = 300 * 4 / 2**20  # pipeline chunks of 300 elements: several per bucket, the last one shorter
+BF16_NUMEL = 64  # bf16 gradients, one parameter of 64 per bucket after the rebuild
+FAULT_AT, FAULT_STEPS = 3, 8  # the step whose gradient turns non-finite on rank 1, of 8
 # Link constants for `auto` under which buckets above about 1000 elements go flat, smaller ones hierarchical.
 AUTO_COSTS = {"intra": (1e-6, 1e-9), "inter": (1e-6, 1e-9)}
 
@@ -129,17 +131,9 @@ def check_parity(checks: dict, groups: ProcessGroups, factory, bucket_mb: float,
             )
         else:
             # Error feedback: sum of applied gradients + (sum over ranks of the residual) / P == sum of true ones.
-            residual = torch.cat([sync.error_feedback.residual.get(n, torch.zeros_like(p)).reshape(-1)
-                                  for n, p in ddp.module.named_parameters()])
-            dist.all_reduce(residual)
-            lhs, ref_sum = ef_sums[name] + residual / WORLD, ref_sums[name]
-            err = ((lhs - ref_sum).abs().max() / ref_sum.abs().max()).item()
-            drift = ((ef_sums[name] - ref_sum).abs().max() / ref_sum.abs().max()).item()
+            err, residual_max, detail = ef_identity(sync, ddp, ef_sums[name], ref_sums[name])
             checks[f"error_feedback_{tag}_{name}"] = result(
-                err < 1e-5 and residual.abs().max().item() > 0,
-                f"{iters[name]} iterations: telescoping identity max rel error {err:.2e} (without the residual {drift:.2e}),"
-                f" residual max {residual.abs().max().item():.2e}",
-            )
+                err < 1e-5 and residual_max > 0, f"{iters[name]} iterations: {detail}")
         if cfg["algorithm"] == "auto" and tag == "odd":
             checks[f"auto_choices_{tag}"] = result({a for a, _ in sync._choices.values()} == {"flat", "hierarchical"},
                                                    f"auto chose {sync._choices}")
@@ -147,6 +141,19 @@ def check_parity(checks: dict, groups: ProcessGroups, factory, bucket_mb: float,
                                                   f"gradients bitwise equal on all ranks, all {iters[name]} iterations")
         checks[f"accounting_{tag}_{name}"] = check_bytes(sync, cfg, sizes[name], step_bytes[name])
     return checks
+
+
+def ef_identity(sync: GradientSync, ddp: DDP, applied: torch.Tensor, true: torch.Tensor) -> tuple[float, float, str]:
+    """Error feedback's telescoping identity: sum of applied gradients + (sum over ranks of the residual) / P ==
+    sum of true ones. Returns its max relative error, the residual's max and a description."""
+    residual = torch.cat([sync.error_feedback.residual.get(n, torch.zeros_like(p)).reshape(-1)
+                          for n, p in ddp.module.named_parameters()])
+    dist.all_reduce(residual)
+    err = ((applied + residual / WORLD - true).abs().max() / true.abs().max()).item()
+    drift = ((applied - true).abs().max() / true.abs().max()).item()
+    residual_max = residual.abs().max().item()
+    return err, residual_max, (f"telescoping identity max rel error {err:.2e} (without the residual {drift:.2e}),"
+                               f" residual max {residual_max:.2e}")
 
 
 def record_bucket_sizes(sync: GradientSync) -> list[int]:
@@ -266,6 +273,102 @@ def check_local_sgd(checks: dict, groups: ProcessGroups) -> None:
     )
 
 
+class Values(torch.nn.Module):
+    """Three bf16 parameters whose gradients are the input: the gradient of ``sum(p * c)`` is ``c``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ps = torch.nn.ParameterList(
+            torch.nn.Parameter(torch.zeros(BF16_NUMEL, dtype=torch.bfloat16)) for _ in range(3))
+
+    def forward(self, c: torch.Tensor) -> torch.Tensor:
+        return sum((p.float() * ci).sum() for p, ci in zip(self.ps, c))
+
+
+def check_bf16_sum(checks: dict, groups: ProcessGroups) -> None:
+    """Uncompressed bf16 gradients (bf16-true weights) are summed in fp32 and rounded once, by every algorithm.
+
+    Each rank's gradients are 1 + k/128 (exact in bf16): their fp32 sum is exact, while a bf16 sum rounds every
+    partial sum of two or more to 2^-6. Iteration 0 runs in DDP's one first bucket, iteration 1 in three.
+    """
+    rank = dist.get_rank()
+    variants = {"flat": {"algorithm": "flat"}, "hierarchical": {"algorithm": "hierarchical"},
+                "torus2d": {"algorithm": "torus2d"},
+                "local_sgd": {"algorithm": "hierarchical", "sync_every": 2}}  # reduced inside the node only
+    for name, cfg in variants.items():
+        ddp, sync = wrap(Values(), groups, BF16_NUMEL * 2 / 2**20, **cfg)
+        members = groups.intra_ranks if cfg.get("sync_every") else list(range(WORLD))
+        exact = rounds = agree = True
+        for it in range(2):
+            g = torch.Generator().manual_seed(it)
+            values = 1 + torch.randint(0, 128, (WORLD, 3, BF16_NUMEL), generator=g) / 128
+            for p in ddp.module.ps:
+                p.grad = None
+            ddp(values[rank]).backward()
+            sync.after_optimizer_step()
+            got = torch.stack([p.grad for p in ddp.module.ps])
+            expect = (values[members].sum(0) / len(members)).to(torch.bfloat16)  # fp32 sum, rounded once
+            naive = values[members[0]].to(torch.bfloat16)
+            for r in members[1:]:
+                naive = naive + values[r].to(torch.bfloat16)  # summed in bf16
+            exact &= torch.equal(got, expect)
+            rounds &= not torch.equal((naive / len(members)).to(torch.bfloat16), expect)
+            agree &= same_on_all_ranks(got) or bool(cfg.get("sync_every"))
+        checks[f"bf16_sum_{name}"] = result(
+            exact and agree and (rounds or len(members) == 2),  # two members: a bf16 sum rounds once too
+            f"equal to the fp32 sum rounded once: {exact}; a bf16 sum would differ: {rounds}; bitwise equal: {agree}")
+
+
+def check_nonfinite(checks: dict, groups: ProcessGroups) -> None:
+    """Rank 1's gradient turns non-finite at step FAULT_AT (NaN everywhere, or Inf in one element of the last
+    bucket): every rank sees a non-finite step and skips it (as GradNormBackoff does), the error feedback keeps
+    the residual of every non-finite bucket as it was, and the run goes on finite. With every bucket kept, the
+    telescoping identity holds over the applied steps exactly as without the fault."""
+    rank = dist.get_rank()
+    faults = {"flat_int8": ({"algorithm": "flat", "compression": "int8"}, "nan"),
+              "hierarchical_int8": ({"algorithm": "hierarchical", "compression": "int8"}, "inf"),
+              "torus2d_bf16": ({"algorithm": "torus2d", "compression": "bf16"}, "nan")}
+    for name, (cfg, fault) in faults.items():
+        ref, _ = wrap(equal_model(), groups, EQUAL_BUCKET_MB)  # plain DDP: the true mean gradient
+        model = equal_model()
+        ddp, sync = wrap(model, groups, EQUAL_BUCKET_MB, **cfg)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        applied, true = torch.zeros_like(grads_like(ref)), torch.zeros_like(grads_like(ref))
+        skipped, kept = [], set()
+        for it in range(FAULT_STEPS):
+            x, y = batch(it, rank)
+            with torch.no_grad():
+                for p, q in zip(ref.parameters(), model.parameters()):
+                    p.copy_(q)
+                    p.grad = None
+            torch.nn.functional.mse_loss(ref(x), y).backward()
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(ddp(x), y)
+            if it == FAULT_AT and rank == 1:
+                loss = loss * float("nan") if fault == "nan" else loss + model[3][0].weight[0, 0] * float("inf")
+            before = {n: r.clone() for n, r in sync.error_feedback.residual.items()}
+            loss.backward()
+            g = grads(model)
+            if torch.isfinite(g).all():
+                opt.step()
+                applied += g
+                true += grads(ref.module)
+            else:
+                skipped.append(it)
+                kept = {n for n, r in sync.error_feedback.residual.items() if torch.equal(r, before[n])}
+            sync.after_optimizer_step()
+        residual = sync.error_feedback.residual
+        names = {n for n, _ in model.named_parameters()}
+        expect_kept = names if fault == "nan" else {"3.0.weight", "3.0.bias"}
+        err, _, detail = ef_identity(sync, ddp, applied, true)
+        finite = all(torch.isfinite(t).all() for t in [*residual.values(), *model.parameters()])
+        ok = (skipped == [FAULT_AT] and same_on_all_ranks(torch.tensor(skipped)) and kept == expect_kept
+              and finite and set(residual) == names and (fault != "nan" or err < 1e-5))
+        checks[f"nonfinite_{name}"] = result(
+            ok, f"{fault} on rank 1 at step {FAULT_AT}: skipped {skipped}; residuals kept {sorted(kept)} (expected"
+                f" {sorted(expect_kept)}); residuals and weights finite: {finite}; {detail}")
+
+
 def result(ok: bool, detail: str) -> dict:
     return {"ok": bool(ok), "detail": detail}
 
@@ -304,6 +407,9 @@ def worker(rank: int, port: int, out_path: str) -> None:
         clock("training")
         check_local_sgd(checks, groups)
         clock("local SGD")
+        check_bf16_sum(checks, groups)
+        check_nonfinite(checks, groups)
+        clock("bf16 sums, non-finite steps")
     except Exception:
         checks["script"] = result(False, traceback.format_exc())
         raise

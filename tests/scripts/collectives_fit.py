@@ -16,17 +16,21 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_horizon import HorizonStrategy
+from lightning_horizon import GradNormBackoff, HorizonStrategy
+from lightning_horizon.gradnorm import total_norm_fp32
 
 WORLD, PER_NODE, WIDTH = 4, 2, 32
 STEPS_PER_EPOCH = 10
 BUCKET_MB = (WIDTH * WIDTH + WIDTH) * 4 / 2**20  # one Linear(32, 32) per bucket: 4 equal buckets
+NODE_SCALE, BACKOFF_MAX_NORM, BACKOFF_SPIKE = 1000.0, 1e-3, 10.0  # node 0's norms ~0.1, node 1's ~100
 
 
 class Regression(L.LightningModule):
-    def __init__(self, optimizer: str = "adam"):
+    """``node_scale``: node n's loss is scaled by ``node_scale ** n``; ``nan_at``: (step, rank) with a NaN loss."""
+
+    def __init__(self, optimizer: str = "adam", node_scale: float = 1.0, nan_at: tuple = (-1, -1)):
         super().__init__()
-        self.optimizer = optimizer
+        self.optimizer, self.node_scale, self.nan_at = optimizer, node_scale, tuple(nan_at)
         self.net = nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(4)])
         self.losses = []
 
@@ -34,7 +38,9 @@ class Regression(L.LightningModule):
         x, y = batch
         loss = nn.functional.mse_loss(self.net(x), y)
         self.losses.append(loss.item())
-        return loss
+        if (self.global_step, self.global_rank) == self.nan_at:
+            loss = loss * float("nan")
+        return loss * self.node_scale ** (self.global_rank // PER_NODE)
 
     def configure_optimizers(self):
         if self.optimizer == "sgd":
@@ -69,6 +75,24 @@ class Observe(L.Callback):
             self.info["metrics"] = part.metrics()
 
 
+class Norms(L.Callback):
+    """Per optimizer step: this rank's pre-clip gradient norm (it runs before GradNormBackoff), and after the step
+    the clipped norm, what the backoff decided, and whether the weights are finite."""
+
+    def __init__(self, backoff: GradNormBackoff, rows: list) -> None:
+        self.backoff, self.rows, self.norm = backoff, rows, float("nan")
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.norm = total_norm_fp32(p for g in optimizer.param_groups for p in g["params"]).item()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        params = [p for g in trainer.optimizers[0].param_groups for p in g["params"]]
+        b = self.backoff
+        self.rows.append(dict(norm=self.norm, clipped=total_norm_fp32(params).item(), world=b.last_grad_norm,
+                              scale=b.lr_scale, skipped=b.skipped_steps,
+                              finite=all(bool(torch.isfinite(p).all()) for p in params)))
+
+
 def summarize(state: dict) -> dict:
     """The part's state, JSON-sized: exact sums of the residuals instead of the tensors."""
     ef = state.get("error_feedback")
@@ -79,9 +103,9 @@ def summarize(state: dict) -> dict:
 
 
 def fit(name: str, results: dict, workdir: Path, epochs: int, ckpt_in=None, ckpt_out=None, ddp=False,
-        optimizer="adam", **kw):
+        optimizer="adam", model_kw=None, backoff=None, **kw):
     L.seed_everything(0, verbose=False)
-    model = Regression(optimizer)
+    model = Regression(optimizer, **(model_kw or {}))
     if ddp:
         from lightning.pytorch.strategies import DDPStrategy
 
@@ -95,6 +119,9 @@ def fit(name: str, results: dict, workdir: Path, epochs: int, ckpt_in=None, ckpt
     )
     info: dict = {}
     trainer.callbacks.append(Observe(info))
+    if backoff is not None:
+        info["steps"] = []
+        trainer.callbacks += [Norms(backoff, info["steps"]), backoff]
     trainer.fit(model, DataLoader(dataset(), batch_size=8), ckpt_path=ckpt_in)
     if ckpt_out:
         trainer.save_checkpoint(ckpt_out)
@@ -124,6 +151,15 @@ def main(out_prefix: str, workdir: str) -> None:
         fit(f"{tag}_whole", results, work, 2, **kw)
         fit(f"{tag}_first", results, work, 1, ckpt_out=ckpt, **kw)
         fit(f"{tag}_resumed", results, work, 2, ckpt_in=ckpt, **kw)
+
+    # GradNormBackoff under local SGD: node 1's loss is NODE_SCALE x node 0's, and max_norm clips both nodes,
+    # each by its own norm; a spike on node 1 backs the lr off on every rank.
+    fit("backoff_local_sgd", results, work, 1, optimizer="sgd", model_kw=dict(node_scale=NODE_SCALE),
+        backoff=GradNormBackoff(max_norm=BACKOFF_MAX_NORM, spike_threshold=BACKOFF_SPIKE),
+        collectives="hierarchical", sync_every=2, sync_warmup_steps=0)
+    # int8 with error feedback through a NaN on rank 1 at step 3: skipped, and the run goes on finite.
+    fit("int8_nan", results, work, 1, model_kw=dict(nan_at=(3, 1)), backoff=GradNormBackoff(max_norm=1.0),
+        collectives="hierarchical", compression="int8")
     rank = results["ddp"]["rank"]
     with open(f"{out_prefix}.rank{rank}.json", "w") as f:
         json.dump(results, f)

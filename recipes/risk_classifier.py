@@ -30,6 +30,7 @@ from lightning.pytorch.cli import LightningCLI
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import BinaryAccuracy, BinaryAUROC
+from torchmetrics.functional.classification import binary_auroc
 
 from lightning_horizon import GradNormBackoff
 
@@ -70,16 +71,6 @@ def generate(n_rows: int, seed: int = 0) -> dict[str, np.ndarray]:
     p = 1 / (1 + np.exp(-logit))
     y = (rng.random(n_rows) < p).astype(np.float32)
     return {"dense": dense, "ids": np.stack([merchant, region, device], 1), "p": p, "y": y}
-
-
-def binary_auroc(scores: np.ndarray, labels: np.ndarray) -> float:
-    """AUROC by the rank-sum formula (no ties in continuous scores)."""
-    order = np.argsort(scores)
-    ranks = np.empty(len(scores))
-    ranks[order] = np.arange(1, len(scores) + 1)
-    pos = labels > 0.5
-    n_pos, n_neg = pos.sum(), (~pos).sum()
-    return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
 
 
 class RiskDataModule(L.LightningDataModule):
@@ -149,7 +140,7 @@ class RiskDataModule(L.LightningDataModule):
         n_val = max(1, int(n * self.val_fraction))
         train, val = order[:-n_val], order[-n_val:]
         if "p" in d:
-            self.oracle_auroc = binary_auroc(d["p"][val], d["y"][val])
+            self.oracle_auroc = float(binary_auroc(torch.from_numpy(d["p"][val]), torch.from_numpy(d["y"][val]).long()))
         if self.min_id_count > 1:  # counted on the training rows only: validation must not leak into the vocabulary
             ids = d["ids"].copy()
             for j in range(ids.shape[1]):

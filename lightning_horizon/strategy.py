@@ -31,6 +31,7 @@ from typing_extensions import override
 from lightning_horizon import cpu, liveness, memory
 from lightning_horizon.checkpoint_io import AtomicCheckpointIO
 from lightning_horizon.rng import RNGState
+from lightning_horizon.state import TrainingState
 from lightning_horizon.sharding import GraphSharder, ShardingConfig, resolve_sharding
 from lightning_horizon.collectives import CollectivesConfig, GradientSync
 from lightning_horizon.topology import ProcessGroups, Topology, check_ranks_per_node
@@ -171,6 +172,7 @@ class HorizonStrategy(DDPStrategy):
         self._node_weights: Optional[dict[str, Any]] = None
         self._restored: set[str] = set()
         self._reported = False
+        self._training_state = TrainingState()
 
     # ------------------------------------------------------------------ processes, groups, cores
 
@@ -178,6 +180,13 @@ class HorizonStrategy(DDPStrategy):
     def sharder(self) -> Optional[GraphSharder]:
         """The graph sharder (plan, budget, history) once setup created it; ``None`` without sharding."""
         return self._parts.get("sharding")
+
+    @property
+    def training_state(self) -> TrainingState:
+        """The owner of the true weights (see state.py): the precision plugin's when it keeps masters or Kahan
+        compensations (HorizonPrecision), else the strategy's own, where every parameter is its own truth."""
+        state = getattr(self.precision_plugin, "training_state", None)
+        return state if isinstance(state, TrainingState) else self._training_state
 
     @property
     def _world_size_planned(self) -> int:
@@ -296,7 +305,7 @@ class HorizonStrategy(DDPStrategy):
         if self.process_groups is None or self.world_size == 1:
             return None, None
         # Built on every rank here, at the same point: it may create grid groups and probe the links (collective).
-        sync = GradientSync(self.collectives_config, self.process_groups, self.model.module)
+        sync = GradientSync(self.collectives_config, self.process_groups, self.model.module, self.training_state)
         self._parts["collectives"] = sync
         return sync, sync.hook
 
@@ -326,7 +335,11 @@ class HorizonStrategy(DDPStrategy):
         if self._sharding is not None and "sharding" not in self._parts:
             # Plans at the first training_step (the first batch is what it profiles); all ranks of the node
             # share its memory.
-            self._parts["sharding"] = GraphSharder(self._sharding, self.num_processes, rank=self.global_rank)
+            # Recompute runs in backward, outside training_step's precision context: the plugin re-establishes it.
+            self._parts["sharding"] = GraphSharder(
+                self._sharding, self.num_processes, rank=self.global_rank,
+                recompute_context=getattr(self.precision_plugin, "recompute_context", None),
+            )
         self._restore_parts()
         # Last, so that nothing in setup draws from a restored generator; Lightning's sanity check runs under
         # isolate_rng, so the next draw is the training data iterator's, as in the uninterrupted run.
@@ -367,6 +380,7 @@ class HorizonStrategy(DDPStrategy):
             batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
             with self.precision_plugin.train_step_context():
                 sharder.maybe_plan(self.lightning_module, batch, batch_idx)
+            return sharder.check_output(super().training_step(*args, **kwargs))
         return super().training_step(*args, **kwargs)
 
     @override

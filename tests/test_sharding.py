@@ -14,9 +14,12 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+import torchmetrics
+from lightning.pytorch.demos.transformer import LightningTransformer
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from lightning_horizon import HorizonStrategy
+from lightning_horizon import HorizonPrecision, HorizonStrategy
 
 from lightning_horizon.sharding import (
     GraphSharder,
@@ -456,3 +459,168 @@ def test_horizon_strategy_trains_the_same_model_in_less_memory(tmp_path):
     ckpt = torch.load(path, weights_only=False)
     assert ckpt["HorizonStrategy"]["ranks"][0]["sharding"]["plan"]["recompute"]
     LitGPT().load_state_dict(ckpt["state_dict"], strict=True)
+
+
+# ------------------------------------------------------------------ own generators, user state, fake tensors, precision
+
+
+class NoisyBlock(nn.Module):
+    """A dropout-like mask drawn from the block's own torch.Generator: a recompute cannot replay it."""
+
+    def __init__(self, d, seed):
+        super().__init__()
+        self.up, self.down = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU()), nn.Linear(4 * d, d)
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def forward(self, x):
+        h = self.up(x)  # recomputable: it saves more than its input
+        keep = torch.rand(h.shape, generator=self.gen) > 0.25
+        return self.down(h * keep / 0.75)
+
+
+class NoisyNet(nn.Module):
+    def __init__(self, d=16, depth=3):
+        super().__init__()
+        self.inp = nn.Linear(4, d)
+        self.blocks = nn.ModuleList(NoisyBlock(d, seed) for seed in range(depth))
+        self.out = nn.Linear(d, 3)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h = self.inp(x)
+        for block in self.blocks:
+            h = h + block(h)
+        return nn.functional.cross_entropy(self.out(h), y)
+
+
+@pytest.mark.parametrize("mode", ["fake", "real"])
+def test_module_drawing_from_its_own_generator_is_not_recomputed(mode):
+    torch.manual_seed(0)
+    plain = NoisyNet()
+    sharded = copy.deepcopy(plain)
+    g = torch.Generator().manual_seed(6)
+    batch = (torch.randn(64, 4, generator=g), torch.randint(0, 3, (64,), generator=g))
+    prof = profile_step(sharded, batch, mode=mode)
+    reasons = {c.name: c.reason for c in prof.calls}
+    assert "own torch.Generator" in reasons["blocks.0"] and reasons["blocks.0.up"] == ""
+    plan = make_plan(prof, budget=1, fixed=0, headroom=1.0, best_effort=True)  # recompute all that may be
+    assert ("blocks.0.up", 0) in plan.recompute and not {"blocks.0", "blocks.1", "blocks.2"} & {
+        n for n, _ in plan.recompute}, plan.recompute
+    handle = install(sharded, plan.recompute, plan.counted)
+    for step in range(2):
+        handle.reset()
+        for model in (plain, sharded):
+            for i, block in enumerate(model.blocks):
+                block.gen.manual_seed(10 * step + i)  # the same private streams for both models
+        loss_a, grads_a = step_grads(plain, batch, step)
+        loss_b, grads_b = step_grads(sharded, batch, step)
+        assert torch.equal(loss_a, loss_b)
+        for name in grads_a:
+            assert torch.equal(grads_a[name], grads_b[name]), name
+
+
+class Counting(L.LightningModule):
+    """Python state that training_step changes: a counter, a list, a torchmetrics metric, a cached attribute and a
+    private generator. The sharding profile runs training_step once more; none of it may show."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = TinyGPT(layers=2, seq=32, dropout=0.1)
+        self.mean_loss = torchmetrics.MeanMetric()
+        self.calls, self.seen = 0, []
+        self.gen = torch.Generator().manual_seed(1)
+
+    def training_step(self, batch, batch_idx):
+        self.calls += 1
+        self.seen.append((batch_idx, torch.rand((), generator=self.gen)))
+        loss = self.net.training_step(batch, batch_idx)
+        self.mean_loss.update(loss.detach())
+        self.net.last_loss = loss.detach()  # an attribute the step caches on a submodule
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def _fit(model, data, sharding=None, plugins=None, callbacks=None, steps=3):
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=HorizonStrategy(sharding=sharding), max_steps=steps,
+                        plugins=plugins, callbacks=callbacks, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model, data)
+    return trainer
+
+
+@pytest.mark.parametrize("profile", ["auto", "real"])
+def test_profile_leaves_no_trace_in_user_state(profile):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 64, (12, 32), generator=g)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.roll(-1, 1)), batch_size=4)
+    runs = []
+    for sharding in (None, ShardingConfig(profile=profile, adaptive=False)):
+        L.seed_everything(0, verbose=False)
+        model = Counting()
+        trainer = _fit(model, data, sharding)
+        runs.append(model)
+    plain, sharded = runs
+    assert trainer.strategy.sharder.profile is not None
+    assert sharded.calls == 3 and [i for i, _ in sharded.seen] == [0, 1, 2]
+    assert torch.equal(torch.stack([r for _, r in sharded.seen]), torch.stack([r for _, r in plain.seen]))
+    assert sharded.mean_loss._update_count == 3
+    assert torch.equal(sharded.mean_loss.compute(), plain.mean_loss.compute())
+    assert torch.equal(sharded.net.last_loss, plain.net.last_loss)
+
+
+class DemoTransformer(LightningTransformer):
+    def prepare_data(self):  # WikiText2 is a download: random tokens of the same shapes stand in for it
+        pass
+
+
+class RealOutputs(L.Callback):
+    def __init__(self):
+        self.losses = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        assert not any(isinstance(t, FakeTensor) or t.is_meta for t in outputs.values())
+        self.losses.append(float(outputs["loss"]))
+
+
+def test_lightning_demo_transformer_trains_sharded_with_real_outputs():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 64, (12, 35), generator=g)  # WikiText2's block_size, a small vocabulary
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.roll(-1, 1)), batch_size=4)
+    losses = []
+    for sharding in (None, "auto"):
+        L.seed_everything(0, verbose=False)
+        callback = RealOutputs()
+        _fit(DemoTransformer(vocab_size=64), data, sharding, callbacks=[callback])
+        losses.append(callback.losses)
+    assert len(losses[1]) == 3 and losses[1] == losses[0]
+    # The guard: a fake tensor handed back from training_step is refused, with the way out.
+    with FakeTensorMode():
+        fake = torch.ones(())
+    with pytest.raises(RuntimeError, match=r"training_step returned a FakeTensor.*profile='real'"):
+        GraphSharder().check_output({"loss": fake})
+
+
+@pytest.mark.parametrize("master", ["fp32", "kahan"])
+def test_recompute_runs_under_the_precision_context(master, monkeypatch):
+    """bf16-true weights computed in fp32: the forward swaps in fp32 copies only while training_step runs, and the
+    recompute (in backward) must see them too."""
+    def recompute_all(self, scale, best_effort=False):  # the smallest plan, whatever the RSS: all it can
+        return make_plan(self.profile, 1, 0, 1.0, best_effort=True)
+
+    with pytest.raises(ValueError, match=r"recompute_context=1: must be None or a callable"):
+        GraphSharder(recompute_context=1)
+    runs = []
+    for sharding in (None, ShardingConfig(budget=1 << 40, adaptive=False)):
+        if sharding is not None:
+            monkeypatch.setattr(GraphSharder, "_make_plan", recompute_all)
+        L.seed_everything(0, verbose=False)
+        model = LitGPT()
+        trainer = _fit(model, _lit_data(), sharding, plugins=[HorizonPrecision("bf16-true", master, "fp32")])
+        runs.append(model)
+    sharder = trainer.strategy.sharder
+    assert len(sharder.plan.recompute) > 3 and sharder.recompute_context == trainer.precision_plugin.recompute_context
+    for (name, a), b in zip(runs[0].state_dict().items(), runs[1].state_dict().values()):
+        assert a.dtype == torch.bfloat16 or not a.is_floating_point(), name
+        assert torch.equal(a, b), name

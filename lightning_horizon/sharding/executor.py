@@ -13,10 +13,14 @@ they were; torch's checkpoint *wrapper* modules, by contrast, add ``_checkpoint_
   result). A module called once per step is checkpointed at every call, with no count to keep. A recompute
   calls the original forward, so it neither counts nor nests.
 - Under ``no_grad`` / ``inference_mode`` (validation) the original forward runs directly.
+- A recompute runs in backward, after training_step's contexts have exited: ``recompute_context(module)`` (the
+  precision plugin's) re-establishes for it what the step's forward context established (bf16 weights swapped
+  for fp32 copies, the default dtype), through checkpoint's ``context_fn``.
 """
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -24,15 +28,18 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 _MISSING = object()
+RecomputeContext = Callable[[nn.Module], AbstractContextManager]
 
 
 class Installed:
     """The patched modules of one installed plan; :meth:`remove` puts every ``forward`` back as it was."""
 
     def __init__(
-        self, root: nn.Module, recompute: Iterable[tuple[str, int]], counted: Iterable[str] = ()
+        self, root: nn.Module, recompute: Iterable[tuple[str, int]], counted: Iterable[str] = (),
+        recompute_context: Optional[RecomputeContext] = None,
     ) -> None:
         self.counts: dict[str, int] = {}
+        self._recompute_context = recompute_context
         self._patched: list[tuple[nn.Module, Any, Callable]] = []  # (module, previous instance attr, ours)
         wanted: dict[str, set[int]] = {}
         for name, occurrence in recompute:
@@ -42,15 +49,18 @@ class Installed:
                 module = root.get_submodule(name)
                 previous = module.__dict__.get("forward", _MISSING)
                 every = name not in set(counted)
-                ours = self._wrap(name, module.forward, None if every else frozenset(occurrences))
+                ours = self._wrap(name, module, None if every else frozenset(occurrences))
                 module.forward = ours  # an instance attribute: not a parameter, buffer or submodule
                 self._patched.append((module, previous, ours))
         except BaseException:
             self.remove()
             raise
 
-    def _wrap(self, name: str, original: Callable, occurrences: Optional[frozenset[int]]) -> Callable:
-        counts = self.counts
+    def _wrap(self, name: str, module: nn.Module, occurrences: Optional[frozenset[int]]) -> Callable:
+        counts, original, context = self.counts, module.forward, self._recompute_context
+
+        def contexts() -> tuple[AbstractContextManager, AbstractContextManager]:
+            return nullcontext(), (context(module) if context is not None else nullcontext())
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             if not torch.is_grad_enabled():
@@ -60,7 +70,9 @@ class Installed:
                 counts[name] = n + 1
                 if n not in occurrences:
                     return original(*args, **kwargs)
-            return checkpoint(original, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+            return checkpoint(
+                original, *args, use_reentrant=False, preserve_rng_state=True, context_fn=contexts, **kwargs
+            )
 
         forward.__wrapped__ = original  # type: ignore[attr-defined]
         forward.__name__ = "forward"
@@ -89,10 +101,14 @@ class Installed:
         self.counts.clear()
 
 
-def install(root: nn.Module, recompute: Iterable[tuple[str, int]], counted: Iterable[str] = ()) -> Installed:
+def install(
+    root: nn.Module, recompute: Iterable[tuple[str, int]], counted: Iterable[str] = (),
+    recompute_context: Optional[RecomputeContext] = None,
+) -> Installed:
     """Checkpoint the given (module path, occurrence) calls of ``root``; ``counted`` names the modules called
-    more than once per step. Returns the handle that uninstalls."""
-    return Installed(root, recompute, counted)
+    more than once per step; ``recompute_context(module)``, when given, is entered around each recompute of
+    ``module``. Returns the handle that uninstalls."""
+    return Installed(root, recompute, counted, recompute_context)
 
 
 __all__ = ["Installed", "install"]

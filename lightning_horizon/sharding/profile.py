@@ -8,13 +8,16 @@ The pass runs the user's ``training_step`` once, forward only (no backward, no o
   innermost call that saved it first (parameters excluded: they are resident anyway);
 - ``torch.utils.flop_counter.FlopCounterMode``: forward FLOPs per call (the price of recomputing it);
 - a dispatch mode that marks calls which must not be recomputed: data-dependent ops (``item``, ``nonzero``...),
-  in-place writes to state (BatchNorm's running stats: a recompute would apply them twice) and in-place writes
-  to a call's own inputs (a recompute would read the modified values).
+  in-place writes to state (BatchNorm's running stats, a tensor attribute: a recompute would apply them twice),
+  in-place writes to a call's own inputs (a recompute would read the modified values) and random ops drawing
+  from a module's own ``torch.Generator`` (checkpointing replays only the global one: a recompute would draw
+  other numbers).
 
 It runs under FakeTensor where it can: no memory, no compute, the full batch. Where the step is data-dependent
 or an op has no fake kernel, it runs for real on a slice of the batch and scales the figures back up. Either
 way, ``self.log`` and (manual optimization) backward and optimizer calls are silenced, the torch RNG state is
-restored, and every pre-existing tensor written in place (buffers, parameters, the batch) is put back.
+restored, every pre-existing tensor written in place (buffers, parameters, the batch) is put back, and so is the
+modules' Python state (:class:`_UserState`): the profile leaves no trace, and no fake tensor stays behind.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import inspect
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -106,7 +109,10 @@ def _storage(t: torch.Tensor) -> tuple[Optional[int], int]:
 class _Profiler(TorchDispatchMode):
     """Hooks, saved-tensor hooks and a dispatch mode, sharing one call stack."""
 
-    def __init__(self, root: nn.Module, fake_mode: Optional[FakeTensorMode], flops: FlopCounterMode) -> None:
+    def __init__(
+        self, root: nn.Module, fake_mode: Optional[FakeTensorMode], flops: FlopCounterMode,
+        attributes: Iterable[torch.Tensor] = (),
+    ) -> None:
         super().__init__()
         self.fake, self.flop_mode = fake_mode is not None, flops
         self.names = {id(m): n for n, m in root.named_modules()}
@@ -116,7 +122,10 @@ class _Profiler(TorchDispatchMode):
         self.state: dict[int, torch.Tensor] = {}
         self.buffer_keys: set[int] = set()
         self.fakes: list[torch.Tensor] = []
-        for t, is_buffer in [*((p, False) for p in root.parameters()), *((b, True) for b in root.buffers())]:
+        # Tensor attributes (a metric's state, a cached mask) are state like buffers: resident, and a call that
+        # writes one in place must not be recomputed.
+        state = [*((p, False) for p in root.parameters()), *((a, False) for a in attributes)]
+        for t, is_buffer in [*state, *((b, True) for b in root.buffers())]:
             versions = [t]
             if fake_mode is not None:
                 self.fakes.append(fake_mode.from_tensor(t))
@@ -205,6 +214,11 @@ class _Profiler(TorchDispatchMode):
             return True if dtype == torch.bool else 1.0 if dtype.is_floating_point or dtype.is_complex else 1
         if func.overloadpacket in _DATA_DEPENDENT:
             self._mark_stack(f"data-dependent ({func.overloadpacket.__name__})")
+        generator = kwargs.get("generator", next((a for a in args if isinstance(a, torch.Generator)), None))
+        # torch.utils.checkpoint replays the default generator only. At dispatch each op gets a fresh Python
+        # wrapper of its generator, so compare the C++ objects.
+        if generator is not None and generator._cdata != torch.default_generator._cdata:
+            self._mark_stack("draws from its own torch.Generator (a recompute would draw different numbers)")
         schema = func._schema
         if "batch_norm" in func.overloadpacket.__name__:
             # native_batch_norm updates the running stats in place without declaring it in its schema
@@ -238,6 +252,100 @@ class _Profiler(TorchDispatchMode):
         with torch.no_grad():
             for t, saved in self.snapshots.values():
                 t.copy_(saved)
+
+
+# torch's own bookkeeping in a module's __dict__ (parameters, buffers, submodules, hooks): not the user's state, and
+# the profile's hooks come and go there by their handles.
+_MODULE_INTERNALS = frozenset(nn.Module().__dict__) - {"training"}
+_MISSING = object()
+
+
+class _UserState:
+    """The Python state of every module, taken before a profiling pass and put back after it.
+
+    training_step runs once more for the profile; whatever it does to the modules must not show afterwards (a
+    counter, a list it appends to, a torchmetrics metric it updates, a mask it caches, possibly a fake one):
+
+    - each module's ``__dict__`` entries (torch's internals aside) and its buffer slots: attributes and buffers
+      added during the pass are removed, rebound ones put back (buffers' values are the profiler's to restore);
+    - builtin containers reachable from them (list, dict, set, tuple; recursively): their contents are copied and
+      written back into the same objects, so appends are undone;
+    - tensors reachable from them that are not parameters or buffers: cloned and copied back into the same
+      tensor objects, so in-place updates (a metric's state) are undone; ``torch.Generator`` states too.
+
+    Other objects are kept by reference and never copied: a module holds its trainer, loggers, datamodule...
+    """
+
+    def __init__(self, root: nn.Module) -> None:
+        resident = {id(t) for t in (*root.parameters(), *root.buffers())}
+        self.dicts = [(m, {k: v for k, v in m.__dict__.items() if k not in _MODULE_INTERNALS}) for m in root.modules()]
+        # a buffer rebound or registered in the step (a cached mask) is a slot in _buffers, not in __dict__
+        self.containers: list[tuple[Any, list]] = [
+            (c, list(c.items()) if isinstance(c, dict) else list(c))
+            for m in root.modules() for c in (m._buffers, m._non_persistent_buffers_set)
+        ]
+        self.tensors: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.generators: list[tuple[torch.Generator, torch.Tensor]] = []
+        seen: set[int] = set(resident)
+        todo = [v for _, d in self.dicts for v in d.values()]
+        while todo:
+            obj = todo.pop()
+            if id(obj) in seen:
+                continue
+            if isinstance(obj, torch.Tensor):
+                seen.add(id(obj))
+                if isinstance(obj, nn.Parameter) or obj.is_meta:
+                    continue
+                with torch.no_grad():
+                    self.tensors.append((obj, obj.detach().clone()))
+            elif isinstance(obj, torch.Generator):
+                seen.add(id(obj))
+                self.generators.append((obj, obj.get_state()))
+            elif isinstance(obj, (list, tuple, set, frozenset, dict)):
+                seen.add(id(obj))
+                items = list(obj.items()) if isinstance(obj, dict) else list(obj)
+                if not isinstance(obj, (tuple, frozenset)):
+                    self.containers.append((obj, items))
+                todo.extend(obj.values() if isinstance(obj, dict) else items)
+
+    @property
+    def attributes(self) -> list[torch.Tensor]:
+        return [t for t, _ in self.tensors]
+
+    def restore(self) -> None:
+        for module, saved in self.dicts:
+            d = module.__dict__
+            for k in [k for k in d if k not in _MODULE_INTERNALS and k not in saved]:
+                del d[k]
+            for k, v in saved.items():
+                if d.get(k, _MISSING) is not v:
+                    d[k] = v
+        for obj, items in self.containers:
+            if isinstance(obj, list):
+                obj[:] = items
+            else:
+                obj.clear()
+                obj.update(items)
+        with torch.no_grad():
+            for t, saved in self.tensors:
+                if t.shape != saved.shape or t.dtype != saved.dtype:
+                    t.data = saved  # resized or retyped in place: take the saved one whole
+                elif not torch.equal(t, saved):
+                    t.copy_(saved)
+        for g, state in self.generators:
+            g.set_state(state)
+
+
+def ensure_real(obj: Any, where: str) -> None:
+    """Raise when ``obj`` holds a fake or meta tensor: one must never reach Lightning or a user's callback."""
+    for t in _tensors(obj):
+        if isinstance(t, FakeTensor) or t.is_meta:
+            kind = "FakeTensor" if isinstance(t, FakeTensor) else "meta tensor"
+            raise RuntimeError(
+                f"{where} returned a {kind} (shape {tuple(t.shape)}): the sharding profile's fake pass left it in"
+                " state it did not restore (a global, an object outside the modules). Pass"
+                " ShardingConfig(profile='real') to profile on real tensors, or keep that state on the module"
+            )
 
 
 class _Silent:
@@ -299,7 +407,8 @@ def _run(module: nn.Module, batch: Any, batch_idx: int) -> Any:
 def _profile_once(module: nn.Module, batch: Any, batch_idx: int, fake: bool) -> tuple[_Profiler, int]:
     flop_mode = FlopCounterMode(display=False)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
-    prof = _Profiler(module, fake_mode, flop_mode)
+    user = _UserState(module)  # before the profiler's own hooks, and before fake mode: real clones
+    prof = _Profiler(module, fake_mode, flop_mode, user.attributes)
     handles = []
     # The root too: training_step is the top of the tree, and a call of the root's own forward is one call in it.
     for m in module.modules():
@@ -323,6 +432,7 @@ def _profile_once(module: nn.Module, batch: Any, batch_idx: int, fake: bool) -> 
         for h in handles:
             h.remove()
         prof.restore()
+        user.restore()
         torch.set_rng_state(rng)
 
 
@@ -402,4 +512,4 @@ def _param_sizes(module: nn.Module) -> tuple[int, int]:
     return total, pending
 
 
-__all__ = ["Call", "Profile", "profile_step"]
+__all__ = ["Call", "Profile", "ensure_real", "profile_step"]

@@ -35,9 +35,9 @@ from lightning_horizon.sharding.budget import (
     resolve_budget,
     resolve_sharding,
 )
-from lightning_horizon.sharding.executor import Installed, install
+from lightning_horizon.sharding.executor import Installed, RecomputeContext, install
 from lightning_horizon.sharding.plan import InfeasibleBudgetError, ShardPlan, evaluate, make_plan
-from lightning_horizon.sharding.profile import Profile, profile_step
+from lightning_horizon.sharding.profile import Profile, ensure_real, profile_step
 
 log = logging.getLogger(__name__)
 _STATE_VERSION = 1
@@ -77,6 +77,9 @@ class GraphSharder:
         optimizers: the optimizers, to foresee their lazily allocated state; ``None`` takes
             ``module.trainer.optimizers`` when the module is attached to a Trainer.
         rank: this process's global rank; plan tables are logged on rank 0 only.
+        recompute_context: ``module -> context manager`` entered around each recompute of ``module``'s call (in
+            backward, outside training_step): the precision plugin's ``recompute_context``, which re-establishes
+            what its forward context did (fp32 copies of bf16 weights, the default dtype). ``None``: none needed.
     """
 
     def __init__(
@@ -85,7 +88,14 @@ class GraphSharder:
         local_world_size: int = 1,
         optimizers: Optional[list[torch.optim.Optimizer]] = None,
         rank: int = 0,
+        recompute_context: Optional[RecomputeContext] = None,
     ) -> None:
+        if recompute_context is not None and not callable(recompute_context):
+            raise ValueError(
+                f"recompute_context={recompute_context!r}: must be None or a callable taking a module and returning"
+                " a context manager"
+            )
+        self.recompute_context = recompute_context
         self.config = resolve_sharding("auto" if config is None else config)
         if isinstance(local_world_size, bool) or not isinstance(local_world_size, int) or local_world_size < 1:
             raise ValueError(f"local_world_size={local_world_size!r}: must be an int >= 1 (ranks on this node)")
@@ -233,6 +243,12 @@ class GraphSharder:
             self._installed.remove()
             self._installed = None
 
+    def check_output(self, output: Any) -> Any:
+        """Return training_step's ``output``, or raise when it holds a fake or meta tensor (the strategy calls this
+        before Lightning or a callback sees it): a fake pass must never leak into training."""
+        ensure_real(output, "training_step")
+        return output
+
     def plan_table(self) -> str:
         if self.plan is None:
             return "ShardPlan: none yet (planned at the first training step, from its batch)"
@@ -323,7 +339,7 @@ class GraphSharder:
     def _install(self, plan: ShardPlan, reason: str) -> None:
         assert self.module is not None
         self.uninstall()
-        self._installed = install(self.module, plan.recompute, plan.counted)
+        self._installed = install(self.module, plan.recompute, plan.counted, self.recompute_context)
         old = self.plan
         self.plan = plan
         self._record(reason, changed=True)

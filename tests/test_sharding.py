@@ -624,3 +624,58 @@ def test_recompute_runs_under_the_precision_context(master, monkeypatch):
     for (name, a), b in zip(runs[0].state_dict().items(), runs[1].state_dict().values()):
         assert a.dtype == torch.bfloat16 or not a.is_floating_point(), name
         assert torch.equal(a, b), name
+
+
+class ScaledBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
+
+    def forward(self, h):
+        return h + self.mlp(h) * torch.linspace(0.5, 1.5, h.shape[-1])  # a tensor of the default dtype
+
+
+class MakesDefaultDtype(L.LightningModule):
+    """Blocks that create a tensor of the default dtype in their forward (as a positional table or a mask built
+    with torch.ones/arange would): bf16 inside bf16-true's step, so the recompute must see bf16 as well."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(32, 16)
+        self.blocks = torch.nn.ModuleList(ScaledBlock() for _ in range(3))
+        self.head = torch.nn.Linear(16, 32)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h = self.emb(x)
+        for block in self.blocks:
+            h = block(h)
+        return torch.nn.functional.cross_entropy(self.head(h).float().flatten(0, 1), y.flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_recompute_sees_the_default_dtype_of_the_step(monkeypatch):
+    """bf16-true with bf16 compute makes bf16 the default dtype inside the step (as Lightning's bf16-true does);
+    a recompute in backward must run with it too, or it makes fp32 tensors where the forward made bf16 ones."""
+    def recompute_blocks(self, scale, best_effort=False):  # the blocks themselves, where the tensor is made
+        from lightning_horizon.sharding.plan import evaluate
+
+        blocks = [(f"blocks.{i}", 0) for i in range(3)]
+        return evaluate(self.profile, blocks, self.budget, self.fixed, 1.0, scale, self._grads_in_forward)
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 32, (8, 8), generator=g)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.roll(-1, 1)), batch_size=4)
+    runs = []
+    for sharding in (None, ShardingConfig(budget=1 << 40, adaptive=False)):
+        if sharding is not None:
+            monkeypatch.setattr(GraphSharder, "_make_plan", recompute_blocks)
+        L.seed_everything(0, verbose=False)
+        model = MakesDefaultDtype()
+        trainer = _fit(model, data, sharding, plugins=[HorizonPrecision("bf16-true", "kahan", "bf16")], steps=2)
+        runs.append(model)
+    assert trainer.strategy.sharder.plan.recompute == [("blocks.0", 0), ("blocks.1", 0), ("blocks.2", 0)]
+    for (name, a), b in zip(runs[0].state_dict().items(), runs[1].state_dict().values()):
+        assert torch.equal(a, b), name

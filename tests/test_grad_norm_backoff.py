@@ -242,6 +242,27 @@ def test_horizon_precision(tmp_path):
     assert (backoff.spikes, backoff.skipped_steps) == (1, 1)
 
 
+@pytest.mark.parametrize("mode", ["bf16-mixed", "bf16-true"])
+def test_the_step_norm_is_measured_once_by_horizon_precision(tmp_path, monkeypatch, mode):
+    """HorizonPrecision owns the step's fp32 pre-clip norm: GradNormBackoff reads it instead of measuring again."""
+    from lightning_horizon.callbacks import grad_norm_backoff
+    from lightning_horizon.precision import HorizonPrecision
+
+    class Seen(L.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            self.norms = getattr(self, "norms", []) + [float(trainer.precision_plugin.last_grad_norm)]
+
+    def measured_again(*args, **kwargs):
+        raise AssertionError("GradNormBackoff measured the norm HorizonPrecision already had")
+
+    monkeypatch.setattr(grad_norm_backoff, "total_norm_fp32", measured_again)
+    backoff, seen = GradNormBackoff(max_norm=0.1, spike_threshold=None), Seen()
+    _fit(Tiny(), [backoff, seen], 3, tmp_path, plugins=[HorizonPrecision(mode, compute="fp32")])
+    assert backoff.last_grad_norm == seen.norms[-1] > 0.1  # pre-clip, exactly the plugin's
+    with pytest.raises(AssertionError, match="measured the norm"):  # another norm_type is measured here
+        _fit(Tiny(), [GradNormBackoff(norm_type=1.0)], 1, tmp_path, plugins=[HorizonPrecision(mode, compute="fp32")])
+
+
 # the data depends on global_step only, so a mid-epoch resume sees the same batches whatever Lightning warns
 @pytest.mark.filterwarnings("ignore:You're resuming from a checkpoint that ended before the epoch ended")
 def test_resume_mid_backoff_reproduces_lr_and_loss(tmp_path):

@@ -37,6 +37,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_horizon.gradnorm import clip_grads_, total_norm_fp32
+from lightning_horizon.precision import HorizonPrecision
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +190,7 @@ class GradNormBackoff(Callback):
         self._restore_lr(optimizer, only_if_mine=True)
 
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        norm, clip_norm = _agree_across_ranks(total_norm_fp32(params, self.norm_type), *_node_of(trainer))
+        norm, clip_norm = _agree_across_ranks(self._step_norm(trainer, params), *_node_of(trainer))
         st.steps += 1
         st.last_grad_norm = norm
         step = trainer.global_step
@@ -283,6 +284,15 @@ class GradNormBackoff(Callback):
         while len(self._states) <= known[0]:
             self._states.append(BackoffState())
         return known[0]
+
+    def _step_norm(self, trainer: "pl.Trainer", params: list[Tensor]) -> Tensor:
+        """The step's pre-clip fp32 norm. HorizonPrecision owns it: it measured it over these very gradients right
+        before this hook, once per step. With another precision plugin, or another ``norm_type``, it is measured
+        here, by the same function."""
+        plugin = trainer.precision_plugin
+        if isinstance(plugin, HorizonPrecision) and plugin.last_grad_norm is not None and self.norm_type == 2.0:
+            return plugin.last_grad_norm
+        return total_norm_fp32(params, self.norm_type)
 
     def _zscore_limit(self, st: BackoffState) -> Optional[float]:
         if self.spike_zscore is None or len(st.window) < self.zscore_window:

@@ -84,8 +84,8 @@ class CommMonitor(Callback):
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         now, step = time.perf_counter(), trainer.global_step
-        if self.source is None or step == self._last_step or trainer.fit_loop._should_accumulate():
-            return
+        if self.source is None or step == self._last_step:
+            return  # no optimizer step in this batch (an accumulation micro-batch): nothing new was reduced
         step_seconds = now - (self._t_last or now)
         self._t_last, self._last_step = now, step
         if step % self.log_every_n_steps:

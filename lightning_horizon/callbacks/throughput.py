@@ -121,6 +121,7 @@ class ThroughputMFUMonitor(ThroughputMonitor):
         self.peaks: dict[str, float] = {}
         #: the latest figures: tokens_per_sec (global), flops_per_sec (per rank), mfu, mfu_vs_fp32_peak
         self.last: dict[str, float] = {}
+        self._last_step = -1  # the global step of the last optimizer step seen
 
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
@@ -147,8 +148,9 @@ class ThroughputMFUMonitor(ThroughputMonitor):
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, *args: Any
     ) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, *args)
-        if trainer.fit_loop._should_accumulate():
-            return
+        if trainer.global_step == self._last_step:
+            return  # no optimizer step in this batch (an accumulation micro-batch)
+        self._last_step = trainer.global_step
         metrics = self._throughputs[RunningStage.TRAINING].compute()
         per_rank = metrics.get("device/items_per_sec")
         if per_rank is None:

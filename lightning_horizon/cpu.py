@@ -105,6 +105,25 @@ def isa() -> ISA:
     )
 
 
+def resolve_compute(compute: str, device_type: str = "cpu") -> tuple[str, str]:
+    """The compute dtype ("bf16" or "fp32") for ``compute`` (``"auto"``, ``"bf16"`` or ``"fp32"``) on
+    ``device_type``, and the reason, for the log: ``"auto"`` picks bf16 only where bf16 matmuls run in hardware."""
+    if device_type == "cuda":
+        found, ok = "CUDA", torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    elif device_type == "cpu":
+        found_isa = isa()
+        found, ok = found_isa.description, found_isa.native_bf16
+    else:
+        found, ok = device_type, False
+    have = "native bf16" if ok else "no native bf16"
+    if compute != "auto":
+        slow = "" if ok or compute == "fp32" else " (expect bf16 matmuls to be many times slower than fp32)"
+        return compute, f"ISA found: {found}; {have}; compute={compute!r} forced{slow}"
+    if ok:
+        return "bf16", f"ISA found: {found}; {have} -> bf16 compute; pass compute='fp32' to force fp32"
+    return "fp32", f"ISA found: {found}; {have} -> fp32 compute; pass compute='bf16' to force"
+
+
 def _parse_cpulist(text: str) -> list[int]:
     cpus: list[int] = []
     for part in text.strip().split(","):

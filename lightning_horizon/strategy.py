@@ -349,11 +349,11 @@ class HorizonStrategy(DDPStrategy):
         self._loaded_parts, self._restored = None, set()
 
     def _check_memory(self) -> None:
-        """Fail at setup, on every rank, when gradients and optimizer state cannot fit (see memory.py)."""
+        """Fail at setup, on every rank, when gradients and optimizer state cannot fit (see memory/check.py)."""
         assert self.topology is not None and self.lightning_module is not None
         need = memory.training_memory(self.lightning_module, self.optimizers, self.precision_plugin)
         row = memory.rank_row(self.global_rank, self.topology.node_rank, self.num_processes, need)
-        memory.check(self._all_gather_objects(row))  # every rank decides alike: none is left waiting
+        memory.check_fit(self._all_gather_objects(row))  # every rank decides alike: none is left waiting
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:

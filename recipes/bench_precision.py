@@ -26,13 +26,13 @@ import subprocess
 import sys
 import time
 
-import psutil
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import lightning.pytorch as L
 from lightning_horizon import cpu
+from lightning_horizon.memory.probe import current_rss, peak_rss, reset_peak_rss
 from lightning_horizon.precision import HorizonPrecision, bytes_per_param, held_bytes
 
 
@@ -152,13 +152,10 @@ def main() -> None:
     data = markov_tokens(args.batch * (args.warmup + args.steps), args.seq, args.vocab)
     if args.rss_of:
         gc.collect()
-        with open("/proc/self/clear_refs", "w") as f:  # reset the peak (VmHWM) to now: imports peak higher
-            f.write("5")
-        base = psutil.Process().memory_info().rss
+        reset_peak_rss()  # the high-water mark (VmHWM) down to now: the imports peaked higher
+        base = current_rss()
         run_one(args.rss_of, args, data)
-        with open("/proc/self/status") as f:
-            hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
-        print(f"RSS {hwm - base}")
+        print(f"RSS {peak_rss() - base}")
         return
     print(f"ISA: {cpu.isa().description}; native bf16: {cpu.isa().native_bf16}; torch {torch.__version__}; threads {args.threads}")
 

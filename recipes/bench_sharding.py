@@ -1,13 +1,15 @@
 """Graph sharding against no recompute and against torch's per-block checkpointing: peak RSS and tokens/s.
 
 usage: python recipes/bench_sharding.py [--steps 4] [--layers 6] [--seq 256] [--batch 8] [--allocator all] [--adaptive]
+                                       [--fractions 0.4,0.6,1.0]
 
 A GPT whose attention is written out (its T x T scores make a few hundred MB of activations) trains for a few
 AdamW steps in a fresh process per configuration, so that each peak RSS is the process's own high-water mark:
 
 - ``plain``: no recompute;
 - ``per-block``: torch's ``apply_activation_checkpointing`` on every block (non-reentrant);
-- ``plan@F``: GraphSharder with a budget of the plain run's resident memory plus F of its activation peak;
+- ``plan@F``: GraphSharder with a budget of the plain run's resident memory plus F of its activation peak
+  (each F of ``--fractions``);
 - ``plan@per-block``: GraphSharder aiming at the per-block run's measured peak (equal memory, headroom 1).
 
 ``--allocator returning`` runs with glibc told to return freed blocks (see docs/sharding.md), ``glibc`` with
@@ -80,7 +82,7 @@ class GPT(nn.Module):
 def run_one(cfg: dict) -> dict:
     """One configuration, in this (fresh) process."""
     from lightning_horizon.sharding import GraphSharder, ShardingConfig
-    from lightning_horizon.sharding.budget import current_rss, peak_rss, reset_peak_rss
+    from lightning_horizon.memory.probe import current_rss, peak_rss, reset_peak_rss
 
     torch.manual_seed(0)
     torch.set_num_threads(cfg["threads"])
@@ -149,7 +151,7 @@ def bench(args: argparse.Namespace, allocator: str) -> None:
     rows = {"plain": spawn({**common, "name": "plain", "mode": "plain"}, env)}
     rows["per-block"] = spawn({**common, "name": "per-block", "mode": "per-block"}, env)
     base, act = rows["plain"]["base"], rows["plain"]["peak"] - rows["plain"]["base"]
-    budgets = {f"plan@{f:.0%}": int(base + f * act) for f in (0.4, 0.6, 1.0)}
+    budgets = {f"plan@{f:.0%}": int(base + f * act) for f in args.fractions}
     budgets["plan@per-block"] = rows["per-block"]["peak"]
     for name, budget in budgets.items():
         # At equal memory the plan aims at the per-block run's peak itself, not 95% of it.
@@ -186,6 +188,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--allocator", choices=(*ALLOCATORS, "all"), default="all")
+    ap.add_argument("--fractions", type=lambda s: [float(v) for v in s.split(",") if v], default=[0.4, 0.6, 1.0],
+                    help="plan@F budgets: plain's resident memory + F of its activation peak (\"\": none)")
     ap.add_argument("--tables", action="store_true", help="print each plan's table")
     ap.add_argument("--adaptive", action="store_true",
                     help="re-plan from the measured peak after every step, as in training (default: the first plan)")

@@ -281,10 +281,11 @@ def test_stochastic_state_rounding_lets_slow_averages_decay():
     stored = {}
     for rounding in ("nearest", "stochastic"):
         plugin, v = HorizonPrecision("bf16-true", state_rounding=rounding), torch.ones(4096, dtype=torch.bfloat16)
+        stochastic = plugin._policy.rounding  # the kahan policy's rounder
         for _ in range(300):
-            plugin._noise = None  # a new step
+            stochastic.new_step()
             x = v.float() * 0.999
-            v = x.to(torch.bfloat16) if rounding == "nearest" else plugin._round_stochastic(x)
+            v = x.to(torch.bfloat16) if rounding == "nearest" else stochastic(x)
         stored[rounding] = v.double().mean().item()
     assert stored["nearest"] == 1.0  # round-to-nearest never moves: 0.1% is below bf16's half-ulp
     assert abs(stored["stochastic"] - 0.999**300) < 0.01 * 0.999**300

@@ -1,6 +1,6 @@
 """Reliability (issue 8): every bad parameter fails early and clearly; a crashed run resumes bit for bit with every
-part on; NaN/Inf batches never reach the weights; memory pressure re-plans, and a model that cannot fit fails at
-setup. docs/reliability.md holds the table the first test walks.
+part on; NaN/Inf batches never reach the weights; memory pressure re-plans (a model that cannot fit fails at setup:
+tests/test_memory.py). docs/reliability.md holds the table the first test walks.
 
 The restart tests share four launches (one module fixture): two crashed runs of 2 processes and one of 4, then the
 resumed and uninterrupted runs of each, several fits per launch.
@@ -23,11 +23,9 @@ import torch.distributed as dist
 from lightning_horizon import CommMonitor, GradNormBackoff, HorizonPrecision, HorizonStrategy, MemoryMonitor
 from lightning_horizon import ThroughputMFUMonitor
 from lightning_horizon.collectives import CollectivesConfig
-from lightning_horizon.collectives.layout import BucketLayout
-from lightning_horizon.memory import InsufficientMemoryError
+from lightning_horizon.collectives.layout import BucketLayout, Piece
+from lightning_horizon.memory import AVAILABLE_MEMORY_ENV, current_rss
 from lightning_horizon.sharding import GraphSharder, ShardingConfig
-from lightning_horizon.sharding.budget import AVAILABLE_MEMORY_ENV, current_rss, node_free_memory
-from tests.fake_bucket import FakeBucket
 from tests.launch import REPO, run_script
 
 # ---------------------------------------------------------------------- 4. bad parameters (docs/reliability.md)
@@ -149,14 +147,6 @@ def test_bad_parameter_fails_early_naming_parameter_value_and_allowed(owner, bui
     assert f"{name}={value!r}" in message and allowed in message, message
     assert not dist.is_initialized()  # raised before any process group ...
     assert threading.active_count() == threads  # ... or thread started
-
-
-def test_bad_available_memory_override_names_the_variable(monkeypatch):
-    monkeypatch.setenv(AVAILABLE_MEMORY_ENV, "lots")
-    with pytest.raises(ValueError, match=r"HORIZON_AVAILABLE_MEMORY='lots': must be an int >= 0 \(bytes"):
-        node_free_memory()
-    monkeypatch.setenv(AVAILABLE_MEMORY_ENV, "12345")
-    assert node_free_memory() == 12345
 
 
 # ---------------------------------------------------------------------- 2 + 6. crash, exact restart, NaN/Inf data
@@ -282,13 +272,14 @@ def test_bucket_layout_cuts_ddps_first_bucket_into_the_saved_ones():
     a, b, c = torch.zeros(2, 3), torch.zeros(4), torch.zeros(5)
     named = [("a", a), ("b", b), ("c", c)]
     saved = BucketLayout(named)
-    for bucket in (FakeBucket([c, b], last=False), FakeBucket([a])):  # DDP's rebuilt buckets, gradient order
+    rebuilt_buckets = (Piece.contiguous([c, b], last=False), Piece.contiguous([a]))  # DDP's, gradient order
+    for bucket in rebuilt_buckets:
         saved.record(saved.names(bucket), bucket.is_last())
     assert saved.state_dict() == [["c", "b"], ["a"]]
 
     resumed = BucketLayout(named)
     resumed.load_state_dict(saved.state_dict())
-    first = FakeBucket([a, b, c])  # a fresh DDP's first iteration: one bucket, parameter order
+    first = Piece.contiguous([a, b, c], torch.arange(15.0))  # a fresh DDP's first iteration: one bucket
     pieces = resumed.pieces(first, resumed.names(first))
     assert [resumed.names(p) for p in pieces] == [["c", "b"], ["a"]] and [p.is_last() for p in pieces] == [False, True]
     for piece in pieces:
@@ -297,7 +288,7 @@ def test_bucket_layout_cuts_ddps_first_bucket_into_the_saved_ones():
     pieces[0].buffer().neg_()
     pieces[0].store(first.buffer())
     assert torch.equal(first.buffer(), torch.tensor([0.0, 1, 2, 3, 4, 5, -6, -7, -8, -9, -10, -11, -12, -13, -14]))
-    rebuilt = FakeBucket([c, b], last=False)
+    rebuilt = Piece.contiguous([c, b], last=False)
     assert resumed.pieces(rebuilt, resumed.names(rebuilt)) is None  # DDP has the saved layout again: no cut
 
     derived = BucketLayout(named)  # a checkpoint after the first step: DDP's rebuilt sizes + gradient order
@@ -391,28 +382,3 @@ def test_auto_budget_follows_the_nodes_free_memory(monkeypatch):
     assert "no plan fits, using the one with the smallest peak" in last["reason"]  # best effort, logged
     assert last["recompute"] > 0 and sharder.budget < 1 << 30
     sharder.uninstall()
-
-
-def test_model_that_cannot_fit_fails_at_setup_with_need_and_available(monkeypatch):
-    from tests.scripts.fit import TinyLM, data
-
-    monkeypatch.setenv(AVAILABLE_MEMORY_ENV, "10000")
-    model = TinyLM()
-
-    def trainer_():
-        return L.Trainer(accelerator="cpu", devices=1, strategy=HorizonStrategy(threads_per_rank=1), max_steps=1,
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False)
-
-    trainer = trainer_()
-    with pytest.raises(InsufficientMemoryError) as info:
-        trainer.fit(model, torch.utils.data.DataLoader(data(), batch_size=16))
-    params = sum(p.numel() * 4 for p in model.parameters())
-    message = str(info.value)
-    assert f"needs an estimated {4 * params / 1024:.3g} KiB" in message  # weights + grads + AdamW's two moments
-    assert f"parameters {params / 1024:.3g} KiB + gradients {params / 1024:.3g} KiB" in message
-    assert "9.77 KiB is available to it (9.77 KiB free on the node / 1 rank(s)" in message
-    assert trainer.global_step == 0 and model.losses == []  # before the first step
-    # the same model with room: no error
-    monkeypatch.setenv(AVAILABLE_MEMORY_ENV, str(1 << 30))
-    trainer_().fit(TinyLM(), torch.utils.data.DataLoader(data(), batch_size=16))

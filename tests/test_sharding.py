@@ -20,7 +20,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from lightning_horizon import HorizonPrecision, HorizonStrategy
-
+from lightning_horizon.memory import current_rss
 from lightning_horizon.sharding import (
     GraphSharder,
     InfeasibleBudgetError,
@@ -30,9 +30,9 @@ from lightning_horizon.sharding import (
     install,
     make_plan,
     profile_step,
+    resolve_budget,
     resolve_sharding,
 )
-from lightning_horizon.sharding.budget import current_rss, resolve_budget
 from tests.launch import run_script
 from tests.scripts.sharding_models import Branchy, TinyGPT
 
@@ -262,7 +262,8 @@ def test_resolve_sharding_argument():
         resolve_sharding(1_000_000)
     assert resolve_budget(ShardingConfig(budget=123456)) == 123456
     share = resolve_budget(ShardingConfig(budget=1.0))
-    assert current_rss() < share and resolve_budget(ShardingConfig(budget=0.5)) <= share // 2 + 1
+    # two readings of the node's free memory: other processes move it a little in between
+    assert current_rss() < share and resolve_budget(ShardingConfig(budget=0.5)) <= share // 2 + share // 100
 
 
 def test_infeasible_budget_states_the_smallest_feasible_one():

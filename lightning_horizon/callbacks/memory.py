@@ -1,26 +1,30 @@
 """MemoryMonitor: resident memory, its peak, and the machine's available memory, for every rank.
 
 On CPU the model, the activations and the allocator's slack all live in the process's resident set, so RSS is the
-number that decides whether a run fits; the peak (``ru_maxrss``) shows what the worst step needed, and "available"
-what is left on the machine (ranks on one machine share it). Every rank measures itself; the figures are gathered
-to rank 0, which logs them per rank (``mem/rank{r}/...``) and as the maximum over ranks (``mem/...``).
+number that decides whether a run fits; the peak (the RSS high-water mark) shows what the worst step needed, and
+"available" what is left on the machine (ranks on one machine share it). Every rank measures itself; the figures
+are gathered to rank 0, which logs them per rank (``mem/rank{r}/...``) and as the maximum over ranks (``mem/...``).
+
+The figures are the probes of ``lightning_horizon/memory/probe.py``, the ones the sharder and the fit check read:
+the peak is the high-water mark (``VmHWM``), which the sharder resets right after every optimizer step to measure
+each step (with sharding on, the peak logged here covers only what followed that reset; Linux lowers ``ru_maxrss``
+with it too), and "available" is the node's free memory as the budget sees it (a cgroup limit tighter than the
+kernel's available memory counts; ``HORIZON_AVAILABLE_MEMORY`` overrides it).
 """
 
 from __future__ import annotations
 
 import logging
-import resource
-import sys
 from typing import Any
 
 import lightning.pytorch as pl
-import psutil
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_horizon.callbacks._checks import check_int
+from lightning_horizon.memory.probe import current_rss, node_free_memory, peak_rss
 
 log = logging.getLogger(__name__)
 
@@ -30,12 +34,10 @@ _FIELDS = ("rss_mib", "peak_rss_mib", "available_mib")
 
 def memory_now() -> dict[str, float]:
     """This process's RSS and peak RSS, and the machine's available memory, in MiB."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-    peak_bytes = peak if sys.platform == "darwin" else peak * 1024
     return {
-        "rss_mib": psutil.Process().memory_info().rss / _MIB,
-        "peak_rss_mib": peak_bytes / _MIB,
-        "available_mib": psutil.virtual_memory().available / _MIB,
+        "rss_mib": current_rss() / _MIB,
+        "peak_rss_mib": peak_rss() / _MIB,
+        "available_mib": node_free_memory() / _MIB,
     }
 
 

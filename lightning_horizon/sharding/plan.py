@@ -26,7 +26,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from lightning_horizon.sharding.budget import fmt_bytes
+from lightning_horizon.memory.probe import fmt_bytes
 from lightning_horizon.sharding.profile import Call, Profile
 
 #: Recompute cost charged per byte re-materialized, in FLOP-equivalents: roughly a CPU core's FLOP/byte balance

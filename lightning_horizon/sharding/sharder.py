@@ -24,48 +24,15 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from lightning_horizon.sharding.budget import (
-    GLIBC_HINT,
-    ShardingConfig,
-    allocator_overhead,
-    current_rss,
-    fmt_bytes,
-    peak_rss,
-    reset_peak_rss,
-    resolve_budget,
-    resolve_sharding,
-)
+from lightning_horizon.memory.estimate import optimizer_state_pending
+from lightning_horizon.memory.probe import GLIBC_HINT, current_rss, fmt_bytes, peak_rss, reset_peak_rss
+from lightning_horizon.sharding.config import ShardingConfig, allocator_overhead, resolve_budget, resolve_sharding
 from lightning_horizon.sharding.executor import Installed, RecomputeContext, install
 from lightning_horizon.sharding.plan import InfeasibleBudgetError, ShardPlan, evaluate, make_plan
 from lightning_horizon.sharding.profile import Profile, ensure_real, profile_step
 
 log = logging.getLogger(__name__)
 _STATE_VERSION = 1
-
-
-def optimizer_state_pending(optimizers: Any) -> int:
-    """Bytes of optimizer state not allocated yet (torch optimizers allocate it lazily, at their first step).
-
-    Per parameter byte: 2 for the Adam family (two moments), 1 for SGD with momentum and RMSprop, 0 for plain
-    SGD, 2 for anything else (a conservative guess that a first re-plan corrects).
-    """
-    total, seen = 0, set()
-    for opt in optimizers or ():
-        opt = getattr(opt, "optimizer", opt)  # LightningOptimizer wraps the torch one
-        name = type(opt).__name__
-        if name == "SGD":
-            factor = 1 if any(g.get("momentum", 0) for g in opt.param_groups) else 0
-        elif name == "RMSprop":
-            factor = 1
-        else:
-            factor = 2
-        for group in opt.param_groups:
-            for p in group["params"]:
-                if id(p) in seen or opt.state.get(p):
-                    continue
-                seen.add(id(p))
-                total += factor * p.numel() * p.element_size()
-    return total
 
 
 class GraphSharder:
@@ -365,4 +332,4 @@ class GraphSharder:
         })
 
 
-__all__ = ["GraphSharder", "optimizer_state_pending"]
+__all__ = ["GraphSharder"]

@@ -114,7 +114,7 @@ class Branchy(nn.Module):
 def rss_main(argv: list[str]) -> None:
     # Import here: the tests import the models above without paying for the package.
     from lightning_horizon.sharding import GraphSharder, ShardingConfig
-    from lightning_horizon.sharding.budget import current_rss, peak_rss, reset_peak_rss
+    from lightning_horizon.memory.probe import current_rss, peak_rss, reset_peak_rss
 
     mode = argv[0]
     torch.manual_seed(0)

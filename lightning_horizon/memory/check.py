@@ -4,8 +4,8 @@ Without sharding nothing fits the step to the memory: a model whose weights, gra
 exceed what the node can give is OOM-killed at its first step, or swaps for hours. The strategy checks at setup,
 when the weights (and any master copies, and DDP's buckets) are resident and the optimizers exist: the gradients
 and the optimizer state, which torch allocates at the first backward and the first step, are estimated from the
-module and its optimizers and compared with this rank's share of the node's free memory (the probe of
-``sharding/budget.py``, ``HORIZON_AVAILABLE_MEMORY`` included). Activations come on top and are not estimated:
+module and its optimizers (``estimate.py``) and compared with this rank's share of the node's free memory (the
+probe of ``probe.py``, ``HORIZON_AVAILABLE_MEMORY`` included). Activations come on top and are not estimated:
 planning them is what sharding does.
 """
 
@@ -15,9 +15,9 @@ from typing import Any, Optional
 
 from torch.nn import Module
 
+from lightning_horizon.memory.estimate import gradients_pending, optimizer_state_pending
+from lightning_horizon.memory.probe import AVAILABLE_MEMORY_ENV, fmt_bytes, node_free_memory
 from lightning_horizon.precision import held_bytes
-from lightning_horizon.sharding.budget import AVAILABLE_MEMORY_ENV, fmt_bytes, node_free_memory
-from lightning_horizon.sharding.sharder import optimizer_state_pending
 
 
 class InsufficientMemoryError(MemoryError):
@@ -28,27 +28,20 @@ def training_memory(module: Module, optimizers: list[Any], precision: Any = None
     """Bytes for the parameters (resident now, master copies included), and estimates of the gradients and the
     optimizer state still to be allocated; ``pending`` is the sum of the last two."""
     held = held_bytes(module, optimizers, precision)
-    seen: set[int] = set()
-    grads = 0
-    for opt in optimizers:
-        for group in getattr(opt, "optimizer", opt).param_groups:
-            for p in group["params"]:
-                if p.requires_grad and p.grad is None and id(p) not in seen:
-                    seen.add(id(p))
-                    grads += p.numel() * p.element_size()
+    grads = gradients_pending(optimizers)
     state = optimizer_state_pending(optimizers)
     return {"parameters": held["weights"] + held["master"], "gradients": grads, "optimizer_state": state,
             "pending": grads + state}
 
 
 def rank_row(rank: int, node: int, local_world_size: int, need: dict[str, int]) -> dict[str, Any]:
-    """What one rank needs and has, for :func:`check`."""
+    """What one rank needs and has, for :func:`check_fit`."""
     free = node_free_memory()
     return {"rank": rank, "node": node, "free": free, "available": free // local_world_size,
             "local_world_size": local_world_size, **need}
 
 
-def check(rows: list[dict[str, Any]]) -> None:
+def check_fit(rows: list[dict[str, Any]]) -> None:
     """Raise :class:`InsufficientMemoryError` naming the first rank whose estimate exceeds its share."""
     short: Optional[dict[str, Any]] = next((r for r in rows if r["pending"] > r["available"]), None)
     if short is None:
@@ -65,3 +58,6 @@ def check(rows: list[dict[str, Any]]) -> None:
         " HorizonPrecision('bf16-true') (half the weight bytes), a smaller model or more memory; sharding='auto'"
         " recomputes activations to fit but cannot shrink these."
     )
+
+
+__all__ = ["InsufficientMemoryError", "check_fit", "rank_row", "training_memory"]

@@ -1,0 +1,191 @@
+"""What both bf16-true policies share: bf16 module weights, the forward in bf16 or on fp32 copies, the optimizer
+wrapped so that a master (fp32 or Kahan) is what it steps, and a checkpoint that carries the full-precision
+weights."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Callable, Generator, Optional
+
+import torch
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import LBFGS, Optimizer
+
+from lightning_horizon.precision.policy import STATE_VERSION, Policy, default_dtype
+
+
+class Bf16TruePolicy(Policy):
+    """bf16 weights with a master; subclasses say what the master is (:meth:`register`) and how a step uses it."""
+
+    master = ""  # "fp32" or "kahan": what the checkpoint records
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._slots: list[tuple[Module, str]] = []  # where the fp32-compute forward swaps in upcast weights
+        self._upcasting = False
+
+    @property
+    def precision(self) -> str:
+        return "bf16-true"
+
+    # ------------------------------------------------------------------ setup
+
+    def convert_module(self, module: Module) -> None:
+        for p in module.parameters():
+            if p.is_floating_point() and p.dtype != torch.bfloat16:
+                p.data = p.data.to(torch.bfloat16)  # .data keeps the Parameter objects (and any ties) intact
+
+    def connect(self, module: Module, optimizers: list[Optimizer], names: dict[Tensor, str]) -> None:
+        super().connect(module, optimizers, names)
+        if self.compute == "bf16":  # bf16 activations meet bf16 buffers (HalfPrecision does the same)
+            for b in module.buffers():
+                if b.is_floating_point():
+                    b.data = b.data.to(torch.bfloat16)
+        else:
+            self._slots = [(m, n) for m in module.modules() for n, p in m._parameters.items() if p is not None]
+        for opt in optimizers:
+            self.wrap_optimizer(opt)
+
+    def wrap_optimizer(self, opt: Optimizer) -> None:
+        """Refuse what bf16-true cannot drive, then give each bf16 parameter its master (:meth:`register`)."""
+        if isinstance(opt, LBFGS):
+            raise ValueError(
+                "HorizonPrecision(mode='bf16-true') cannot wrap LBFGS (it re-evaluates the closure inside step);"
+                " use mode='bf16-mixed' or another optimizer"
+            )
+        own = _own_parameter_list(opt, set(map(id, self.names)))
+        if own is not None:
+            raise ValueError(
+                f"HorizonPrecision(mode='bf16-true') cannot drive the optimizer {type(opt).__name__}: it keeps its"
+                f" own list of the parameters ({type(opt).__name__}.{own}) instead of reading param_groups at each"
+                " step, so the fp32 / Kahan master it must step would never move; use mode='bf16-mixed' with it"
+            )
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if p not in self.names:
+                    raise ValueError(
+                        f"HorizonPrecision(mode='bf16-true'): the optimizer {type(opt).__name__} holds a tensor of"
+                        f" shape {tuple(p.shape)} that is not a parameter of the LightningModule"
+                    )
+                if p.dtype == torch.bfloat16:  # integer / frozen-in-other-dtype parameters: stepped as they are
+                    self.register(opt, p)
+
+    def register(self, opt: Optimizer, p: Tensor) -> None:
+        """Give the bf16 parameter ``p`` of ``opt`` its master in the training state (keeping a matching one)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ forward
+
+    def forward_context(self) -> Any:
+        return self._bf16_forward() if self.compute == "bf16" else self._upcast_weights()
+
+    @contextmanager
+    def _bf16_forward(self) -> Generator[None, None, None]:
+        # bf16 is the default dtype inside the step, as in Lightning's own "bf16-true"
+        with default_dtype(torch.bfloat16), self.autocast():
+            yield
+
+    def recompute_context(self, module: Module) -> Any:
+        """The bf16 default dtype, and under fp32 compute the fp32 copies of ``module``'s own parameters only
+        (autocast itself is restored by ``torch.utils.checkpoint``)."""
+        if self.compute == "fp32":
+            mine = {id(m) for m in module.modules()}
+            return self._upcast_weights([(m, n) for m, n in self._slots if id(m) in mine])
+        return default_dtype(torch.bfloat16)
+
+    @contextmanager
+    def _upcast_weights(self, slots: Optional[list[tuple[Module, str]]] = None) -> Generator[None, None, None]:
+        """Swap each bf16 parameter for a differentiable fp32 copy during the forward: fp32 matmuls, bf16 grads."""
+        if self._upcasting:  # nested step contexts: the outer one already swapped
+            yield
+            return
+        casts: dict[Tensor, Tensor] = {}  # one copy per parameter: tied weights stay tied
+        swapped = []
+        for mod, name in self._slots if slots is None else slots:
+            p = mod._parameters[name]
+            if p is None or p.dtype != torch.bfloat16:
+                continue
+            if p not in casts:
+                casts[p] = p.float()
+            mod._parameters[name] = casts[p]  # plain dict write: state_dict keys and hooks stay untouched
+            swapped.append((mod, name, p))
+        self._upcasting = True
+        try:
+            yield
+        finally:
+            self._upcasting = False
+            for mod, name, p in reversed(swapped):
+                mod._parameters[name] = p
+
+    def convert_input(self, data: Any) -> Any:
+        if self.compute == "bf16":
+            return _map_float_tensors(data, lambda t: t.to(torch.bfloat16))
+        return data
+
+    # ------------------------------------------------------------------ optimizer step
+
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        after_closure: Callable[[], None],
+        lightning_step: Callable[[], Any],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        closure()
+        # The step runs even when training_step returned None (no gradients: the optimizer moves nothing), as in
+        # Lightning's own precision plugins: step hooks fire, so a callback that scaled the lr puts it back.
+        return self.step(optimizer, after_closure, kwargs)
+
+    def step(self, optimizer: Optimizer, after_closure: Callable[[], None], kwargs: dict[str, Any]) -> Any:
+        """Update the masters from the gradients backward left on the bf16 parameters, and the weights from them."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ checkpoint
+
+    def state_dict(self) -> dict[str, Any]:
+        state = self.training_state
+        return {
+            "version": STATE_VERSION,
+            "mode": "bf16-true",
+            "master": self.master,
+            "masters": {n: m.detach() for p, n in self.names.items() if (m := state.master(p)) is not None},
+            "compensation": {n: c for p, n in self.names.items() if (c := state.compensation(p)) is not None},
+            "rng": self.rng_state(),
+        }
+
+    def rng_state(self) -> dict[str, Tensor]:
+        """The state of the generators the step draws from, per device."""
+        return {}
+
+
+def _own_parameter_list(optimizer: Optimizer, params: set[int]) -> Optional[str]:
+    """The attribute in which ``optimizer`` keeps parameters outside its param groups (``None`` when it does not):
+    such an optimizer steps its own list and never sees what bf16-true puts in the groups for the step."""
+
+    def holds(value: Any, depth: int) -> bool:
+        if isinstance(value, Tensor):
+            return id(value) in params
+        if isinstance(value, Optimizer):  # a wrapped optimizer (ZeroRedundancyOptimizer.optim)
+            return value is not optimizer
+        if depth and isinstance(value, dict):
+            return any(holds(k, depth - 1) or holds(v, depth - 1) for k, v in value.items())
+        if depth and isinstance(value, (list, tuple, set, frozenset)):
+            return any(holds(v, depth - 1) for v in value)
+        return False
+
+    for name, value in vars(optimizer).items():
+        if name not in ("param_groups", "state", "defaults") and holds(value, 3):
+            return name
+    return None
+
+
+def _map_float_tensors(data: Any, fn: Callable[[Tensor], Tensor]) -> Any:
+    if isinstance(data, Tensor):
+        return fn(data) if data.is_floating_point() else data
+    if isinstance(data, (list, tuple)) and not hasattr(data, "_fields"):
+        return type(data)(_map_float_tensors(x, fn) for x in data)
+    if isinstance(data, dict):
+        return type(data)((k, _map_float_tensors(v, fn)) for k, v in data.items())
+    return data

@@ -1,0 +1,86 @@
+"""bf16-true with ``master="fp32"``: an fp32 copy of each bf16 weight that the optimizer steps, copied back into the
+bf16 weight after each step. The masters are registered in the training state, the owner of the true weights."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_horizon.precision.bf16_true import Bf16TruePolicy
+from lightning_horizon.precision.policy import cast_state
+
+
+class FP32MasterPolicy(Bf16TruePolicy):
+    """Between steps the optimizer holds the module's parameters, so that everything a LightningModule does with it
+    (``zero_grad``, ``toggle_optimizer``, ``clip_gradients`` in manual optimization) acts on the tensors backward
+    writes to. During the step (and while a state dict loads) the masters stand in."""
+
+    master = "fp32"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._param_of: dict[Tensor, Tensor] = {}  # fp32 master -> bf16 module parameter (during a step only)
+        self._load_hooked: "weakref.WeakSet[Optimizer]" = weakref.WeakSet()
+
+    def describe(self) -> str:
+        return "weights bf16 + fp32 master, grads fp32 (master), optimizer state fp32"
+
+    def register(self, opt: Optimizer, p: Tensor) -> None:
+        m = self.training_state.master(p)
+        if m is None or not torch.equal(m.detach().to(torch.bfloat16), p.detach()):
+            m = torch.nn.Parameter(p.detach().float(), requires_grad=p.requires_grad)  # weights changed
+            self.training_state.register_master(p, m)
+        if p in opt.state:  # state between steps is kept under the module parameter, in fp32
+            opt.state[p] = cast_state(opt.state[p], p, torch.float32)
+
+    def wrap_optimizer(self, opt: Optimizer) -> None:
+        super().wrap_optimizer(opt)
+        if opt not in self._load_hooked:
+            # torch casts loaded optimizer state to its parameter's dtype: load it while the fp32 masters stand in
+            opt.register_load_state_dict_pre_hook(lambda o, sd: self._swap_masters(o, True))
+            opt.register_load_state_dict_post_hook(lambda o: self._swap_masters(o, False))
+            self._load_hooked.add(opt)
+
+    def step(self, optimizer: Optimizer, after_closure: Callable[[], None], kwargs: dict[str, Any]) -> Any:
+        self._swap_masters(optimizer, True, grads=True)
+        try:
+            after_closure()  # the norm and the callbacks see the fp32 gradients the step uses
+            out = optimizer.step(**kwargs)
+            with torch.no_grad():
+                for m, p in self._param_of.items():
+                    if m.grad is not None:  # a param without grad was not stepped
+                        self.training_state.write(p, m)
+            return out
+        finally:
+            self._swap_masters(optimizer, False, grads=True)
+
+    def _swap_masters(self, optimizer: Optimizer, to_masters: bool, grads: bool = False) -> None:
+        """Put the fp32 masters in the optimizer's param groups in place of their bf16 parameters, or back.
+
+        With ``grads`` the gradients move along: in fp32 for the step, back in the parameter's dtype after it
+        (clipped, or None for a skipped step: what the step used, as with fp32 parameters). The optimizer state
+        moves along too, keyed by whoever is in the group.
+        """
+        state = self.training_state
+        for group in optimizer.param_groups:
+            for i, x in enumerate(group["params"]):
+                new = state.master(x) if to_masters else self._param_of.pop(x, None)
+                if new is None:
+                    continue
+                if to_masters:
+                    self._param_of[new] = x
+                if grads:
+                    new.grad = None if x.grad is None else x.grad.detach().to(new.dtype)
+                    x.grad = None
+                group["params"][i] = new
+                if x in optimizer.state:
+                    optimizer.state[new] = optimizer.state.pop(x)
+
+    def restore(self, param: Tensor, exact: Tensor, compensation: Optional[Tensor]) -> None:
+        master = self.training_state.master(param)
+        if master is not None:
+            master.copy_(exact)

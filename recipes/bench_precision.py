@@ -11,7 +11,7 @@ configs alike; the median step over all rounds gives tokens/s, "spread" the (max
 per-round medians. On a shared machine ``--threads 1`` is much steadier.
 
 Bytes per parameter are measured on the live tensors after a step (weights, master or compensation, grads,
-optimizer state; AdamW); "analytic" is :func:`lightning_horizon.precision.bytes_per_param`. Peak RSS comes from
+optimizer state; AdamW); "analytic" is :func:`lightning_horizon.memory.bytes_per_param`. Peak RSS comes from
 one extra short fit per config in a child process (its high-water mark VmHWM, reset just before the fit, minus
 its resident set then), since in one process the allocator keeps what an earlier config freed. Linux only.
 """
@@ -33,7 +33,8 @@ import torch.nn.functional as F
 import lightning.pytorch as L
 from lightning_horizon import cpu
 from lightning_horizon.memory.probe import current_rss, peak_rss, reset_peak_rss
-from lightning_horizon.precision import HorizonPrecision, bytes_per_param, held_bytes
+from lightning_horizon.memory import bytes_per_param, held_bytes
+from lightning_horizon.precision import HorizonPrecision
 
 
 class Block(nn.Module):

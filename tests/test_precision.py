@@ -20,6 +20,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning_horizon import cpu
 from lightning_horizon import precision as hp
 from lightning_horizon.gradnorm import total_norm_fp32
+from lightning_horizon.memory import bytes_per_param, held_bytes
 from lightning_horizon.precision import HorizonPrecision
 
 V, T, D = 32, 16, 32
@@ -206,9 +207,9 @@ def test_dtypes_of_weights_grads_and_state(name):
         assert state_dtypes == {"step": torch.float32, "exp_avg": torch.bfloat16, "exp_avg_sq": torch.bfloat16}
         assert len(plugin.training_state.extra_tensors()) == 7
         assert all(c.dtype == torch.bfloat16 for c in plugin.training_state.extra_tensors())
-        held = hp.held_bytes(model, tr.optimizers, plugin)
+        held = held_bytes(model, tr.optimizers, plugin)
         n = sum(p.numel() for p in model.parameters())
-        assert hp.bytes_per_param("bf16-true", "kahan")["total"] == 10  # 62.5% of fp32's 16
+        assert bytes_per_param("bf16-true", "kahan")["total"] == 10  # 62.5% of fp32's 16
         assert 10 * n <= held["total"] <= 10 * n + 4 * 7  # + AdamW's 0-dim fp32 step per tensor
 
 

@@ -2,7 +2,7 @@
 fit check at setup. One implementation, read by the sharder, the strategy and ``MemoryMonitor`` alike."""
 
 from lightning_horizon.memory.check import InsufficientMemoryError, check_fit, rank_row, training_memory
-from lightning_horizon.memory.estimate import gradients_pending, optimizer_state_pending
+from lightning_horizon.memory.estimate import bytes_per_param, gradients_pending, held_bytes, optimizer_state_pending
 from lightning_horizon.memory.probe import (
     AVAILABLE_MEMORY_ENV,
     GLIBC_HINT,
@@ -22,12 +22,14 @@ __all__ = [
     "GLIBC_HINT",
     "GLIBC_OVERHEAD",
     "InsufficientMemoryError",
+    "bytes_per_param",
     "cgroup_free",
     "check_fit",
     "current_rss",
     "fair_share",
     "fmt_bytes",
     "gradients_pending",
+    "held_bytes",
     "node_free_memory",
     "optimizer_state_pending",
     "peak_rss",

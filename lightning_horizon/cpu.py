@@ -13,7 +13,7 @@ import os
 import re
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -166,6 +166,15 @@ def plan_cores(local_rank: int, local_world_size: int, cores: list[int]) -> tupl
         start = local_rank * base + min(local_rank, extra)
         return cores[start : start + base + (local_rank < extra)], False
     return [cores[local_rank % n]], True
+
+
+def place(local_rank: int, local_world_size: int, pin_cores: bool, threads: Optional[int] = None) -> dict[str, Any]:
+    """This rank's cores, threads and whether its cores are shared: pinned to its own slice (``pin_cores``), or
+    left on every core the process may use with torch's own thread count."""
+    if not pin_cores:
+        return {"cores": sorted(available_cores()), "threads": torch.get_num_threads(), "shared": False}
+    cores, shared = plan_cores(local_rank, local_world_size, available_cores())
+    return {"cores": cores, "threads": pin(cores, threads), "shared": shared}
 
 
 def pin(cores: list[int], threads: Optional[int] = None) -> int:

@@ -17,8 +17,10 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from lightning_horizon.parts import Part
 
-class RNGState:
+
+class RNGState(Part):
     """A part of HorizonStrategy: ``state_dict`` captures the generators; a loaded state waits for ``apply``."""
 
     def __init__(self) -> None:

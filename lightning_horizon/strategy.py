@@ -10,7 +10,6 @@ a job whose peer is gone, and one checkpoint key under which each part keeps its
 from __future__ import annotations
 
 import atexit
-import importlib
 import inspect
 import logging
 import os
@@ -19,39 +18,29 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.strategy import Strategy
 from lightning.pytorch.trainer.states import TrainerFn
-from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_horizon import cpu, liveness, memory
 from lightning_horizon.checkpoint_io import AtomicCheckpointIO
+from lightning_horizon.collectives.local_sgd import NODE_KEY, node_state, this_nodes_checkpoint
+from lightning_horizon.parts import Parts
 from lightning_horizon.rng import RNGState
 from lightning_horizon.state import TrainingState
 from lightning_horizon.sharding import GraphSharder, ShardingConfig, resolve_sharding
 from lightning_horizon.collectives import CollectivesConfig, GradientSync
-from lightning_horizon.topology import ProcessGroups, Topology, check_ranks_per_node
+from lightning_horizon.strategy_args import ccl_available, check_arguments
+from lightning_horizon.topology import ProcessGroups, Topology, check_ranks_per_node, placement_table
 
 log = logging.getLogger(__name__)
 
 #: Collective timeout: long enough for a slow checkpoint write on rank 0 while the others wait in a barrier,
 #: short enough that a lost peer ends the job instead of hanging it for torch's default 30 minutes.
 DEFAULT_TIMEOUT_S = 600.0
-_BACKENDS = ("gloo", "ccl", "mpi", "nccl")
 _CHECKPOINT_KEY = "HorizonStrategy"
-
-
-def _ccl_available() -> bool:
-    """True when oneCCL's torch binding imports (importing it registers the ``ccl`` backend)."""
-    try:
-        importlib.import_module("oneccl_bindings_for_pytorch")
-        return True
-    except Exception:  # ImportError, or a binding built for another torch
-        return False
 
 
 class HorizonStrategy(DDPStrategy):
@@ -112,7 +101,6 @@ class HorizonStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> None:
         # Every check runs here, in the Trainer's constructor: before a launcher starts a process or a group.
-        check_ranks_per_node(ranks_per_node)
         self._sharding = resolve_sharding(sharding)
         self.collectives_config = CollectivesConfig(
             algorithm=collectives,
@@ -122,32 +110,12 @@ class HorizonStrategy(DDPStrategy):
             torus_shape=torus_shape,
             cost_model=cost_model,
         )
-        if kwargs.get("ddp_comm_hook") is not None and self.collectives_config != CollectivesConfig():
-            raise ValueError(
-                f"ddp_comm_hook={kwargs['ddp_comm_hook']!r} with collectives={collectives!r}: give either your own"
-                " hook or the collectives options, not both"
-            )
-        if not _finite_positive(bucket_size_mb):
-            raise ValueError(f"bucket_size_mb={bucket_size_mb!r}: must be a finite number > 0 (MiB per DDP bucket)")
-        if "bucket_cap_mb" in kwargs:
-            value = kwargs["bucket_cap_mb"]
-            raise ValueError(f"bucket_cap_mb={value!r}: not accepted; pass bucket_size_mb= (same meaning, MiB > 0)")
-        _check_ddp_kwargs(kwargs)
-        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
-        if not _finite_positive(seconds):
-            raise ValueError(f"timeout={timeout!r}: must be a finite number of seconds > 0, or a timedelta")
-        if not isinstance(pin_cores, bool):
-            raise ValueError(f"pin_cores={pin_cores!r}: must be True or False")
-        if checkpoint_io is not None and not isinstance(checkpoint_io, CheckpointIO):
-            raise ValueError(f"checkpoint_io={checkpoint_io!r}: must be a lightning CheckpointIO or None (atomic)")
-        if process_group_backend is not None and process_group_backend not in _BACKENDS:
-            raise ValueError(
-                f"process_group_backend={process_group_backend!r}: allowed are {_BACKENDS} or None (auto)"
-            )
-        if threads_per_rank is not None and (
-            isinstance(threads_per_rank, bool) or not isinstance(threads_per_rank, int) or threads_per_rank < 1
-        ):
-            raise ValueError(f"threads_per_rank={threads_per_rank!r}: must be an int >= 1 or None (one per core)")
+        seconds = check_arguments(
+            ranks_per_node=ranks_per_node, bucket_size_mb=bucket_size_mb, timeout=timeout,
+            process_group_backend=process_group_backend, pin_cores=pin_cores, threads_per_rank=threads_per_rank,
+            checkpoint_io=checkpoint_io, collectives_changed=self.collectives_config != CollectivesConfig(),
+            collectives=collectives, kwargs=kwargs, named=set(inspect.signature(HorizonStrategy.__init__).parameters),
+        )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -166,11 +134,11 @@ class HorizonStrategy(DDPStrategy):
         self.process_groups: Optional[ProcessGroups] = None
         #: per-rank facts gathered at setup (rank, node, local rank, cores, threads, shared): the startup table
         self.placement: list[dict[str, Any]] = []
-        #: named parts with per-rank state (state_dict/load_state_dict) kept under one checkpoint key
-        self._parts: dict[str, Any] = {"rng": RNGState()}
-        self._loaded_parts: Optional[dict[str, Any]] = None
+        #: the parts (lightning_horizon.parts): RNG state, gradient sync, graph sharder; per-rank state kept under
+        #: one checkpoint key
+        self.parts = Parts()
+        self.parts.add("rng", RNGState())
         self._node_weights: Optional[dict[str, Any]] = None
-        self._restored: set[str] = set()
         self._reported = False
         self._training_state = TrainingState()
 
@@ -179,7 +147,23 @@ class HorizonStrategy(DDPStrategy):
     @property
     def sharder(self) -> Optional[GraphSharder]:
         """The graph sharder (plan, budget, history) once setup created it; ``None`` without sharding."""
-        return self._parts.get("sharding")
+        return self.parts.get("sharding")
+
+    @property
+    def gradient_sync(self) -> Optional[GradientSync]:
+        """The gradient sync (collectives, compression, local SGD, accounting) once DDP is set up on several
+        ranks; ``None`` with one process or a comm hook of your own."""
+        return self.parts.get("collectives")
+
+    def comm_metrics(self) -> dict[str, float]:
+        """The last step's communication figures (bytes per link class, seconds); empty without gradient sync."""
+        sync = self.gradient_sync
+        return sync.metrics() if sync is not None else {}
+
+    @property
+    def nodes_diverge(self) -> bool:
+        """Whether nodes hold different weights between optimizer steps (local SGD across several nodes)."""
+        return self.collectives_config.sync_every > 1 and self.topology is not None and self.topology.num_nodes > 1
 
     @property
     def training_state(self) -> TrainingState:
@@ -205,7 +189,7 @@ class HorizonStrategy(DDPStrategy):
         if self._process_group_backend:
             return self._process_group_backend
         if self.root_device.type == "cpu":
-            return "ccl" if _ccl_available() else "gloo"
+            return "ccl" if ccl_available() else "gloo"
         return super()._get_process_group_backend()
 
     @override
@@ -235,23 +219,10 @@ class HorizonStrategy(DDPStrategy):
     def _place_and_report(self) -> None:
         """Pin this rank's cores, gather every rank's placement, and print the startup table on rank 0."""
         assert self.topology is not None
-        shared = False
-        if self._pin_cores and self.root_device.type == "cpu":
-            cores, shared = cpu.plan_cores(self.local_rank, self.num_processes, cpu.available_cores())
-            threads = cpu.pin(cores, self._threads_per_rank)
-        else:
-            cores = sorted(cpu.available_cores())
-            threads = torch.get_num_threads()
-        row = {
-            "rank": self.global_rank,
-            "node": self.topology.node_rank,
-            "local_rank": self.topology.local_rank,
-            "cores": cores,
-            "threads": threads,
-            "shared": shared,
-            "host": liveness.host(),
-            "pid": os.getpid(),
-        }
+        pin = self._pin_cores and self.root_device.type == "cpu"
+        row = {"rank": self.global_rank, "node": self.topology.node_rank, "local_rank": self.topology.local_rank,
+               **cpu.place(self.local_rank, self.num_processes, pin, self._threads_per_rank),
+               "host": liveness.host(), "pid": os.getpid()}
         self.placement = self._all_gather_objects(row)
         if any(r["shared"] for r in self.placement) and self.global_rank == 0 and not self._reported:
             log.warning(
@@ -272,23 +243,14 @@ class HorizonStrategy(DDPStrategy):
     def startup_table(self) -> str:
         """Topology, per-rank cores and threads, ISA, backend and allocator, as printed at fit start."""
         assert self.topology is not None
-        isa = cpu.isa()
-        alloc = cpu.allocator()
-        lines = [
-            f"HorizonStrategy: {self.topology.num_nodes} node(s) x {self.topology.ranks_per_node} rank(s)"
-            f" | backend {self._process_group_backend or 'none (1 process)'}"
+        isa, alloc = cpu.isa(), cpu.allocator()
+        header = (
+            f"backend {self._process_group_backend or 'none (1 process)'}"
             f" | ISA {isa.name} (torch {isa.torch_capability}, native bf16: {'yes' if isa.native_bf16 else 'no'})"
-            f" | allocator {alloc or 'glibc malloc'}",
-            f"{'rank':>5} {'node':>5} {'local':>6} {'threads':>8}  cores",
-        ]
-        for r in self.placement:
-            lines.append(
-                f"{r['rank']:>5} {r['node']:>5} {r['local_rank']:>6} {r['threads']:>8}  {_cpulist(r['cores'])}"
-                + ("  (shared)" if r["shared"] else "")
-            )
-        if alloc is None:
-            lines.append(f"hint: {cpu.ALLOCATOR_HINT}")
-        return "\n".join(lines)
+            f" | allocator {alloc or 'glibc malloc'}"
+        )
+        table = placement_table(self.topology, self.placement, header)
+        return table if alloc is not None else f"{table}\nhint: {cpu.ALLOCATOR_HINT}"
 
     # ------------------------------------------------------------------ DDP and comm hooks
 
@@ -306,7 +268,7 @@ class HorizonStrategy(DDPStrategy):
             return None, None
         # Built on every rank here, at the same point: it may create grid groups and probe the links (collective).
         sync = GradientSync(self.collectives_config, self.process_groups, self.model.module, self.training_state)
-        self._parts["collectives"] = sync
+        self.parts.add("collectives", sync)
         return sync, sync.hook
 
     @override
@@ -315,9 +277,9 @@ class HorizonStrategy(DDPStrategy):
         state, hook = self._comm_hook()
         if hook is None:
             return
-        _register_ddp_comm_hook(
-            model=self.model, ddp_comm_state=state, ddp_comm_hook=hook, ddp_comm_wrapper=self._ddp_comm_wrapper
-        )
+        if self._ddp_comm_wrapper is not None:
+            hook = self._ddp_comm_wrapper(hook)
+        self.model.register_comm_hook(state=state, hook=hook)
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -332,21 +294,17 @@ class HorizonStrategy(DDPStrategy):
             self._node_weights = None
         if self._sharding is None and trainer.state.fn == TrainerFn.FITTING:
             self._check_memory()  # with sharding, the first plan checks this and the activations too
-        if self._sharding is not None and "sharding" not in self._parts:
+        if self._sharding is not None and "sharding" not in self.parts:
             # Plans at the first training_step (the first batch is what it profiles); all ranks of the node
-            # share its memory.
-            # Recompute runs in backward, outside training_step's precision context: the plugin re-establishes it.
-            self._parts["sharding"] = GraphSharder(
+            # share its memory. Recompute runs in backward, outside training_step's precision context: the
+            # plugin re-establishes it.
+            self.parts.add("sharding", GraphSharder(
                 self._sharding, self.num_processes, rank=self.global_rank,
                 recompute_context=getattr(self.precision_plugin, "recompute_context", None),
-            )
-        self._restore_parts()
+            ))
         # Last, so that nothing in setup draws from a restored generator; Lightning's sanity check runs under
         # isolate_rng, so the next draw is the training data iterator's, as in the uninterrupted run.
-        for part in self._parts.values():
-            if hasattr(part, "after_setup"):
-                part.after_setup()
-        self._loaded_parts, self._restored = None, set()
+        self.parts.after_setup()
 
     def _check_memory(self) -> None:
         """Fail at setup, on every rank, when gradients and optimizer state cannot fit (see memory/check.py)."""
@@ -358,9 +316,7 @@ class HorizonStrategy(DDPStrategy):
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        for part in self._parts.values():
-            if hasattr(part, "after_optimizer_step"):
-                part.after_optimizer_step()
+        self.parts.after_optimizer_step()
         return output
 
     @override
@@ -372,7 +328,7 @@ class HorizonStrategy(DDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        sharder = self._parts.get("sharding")
+        sharder = self.sharder
         if sharder is not None:
             # At the step boundary: the first call profiles this batch and installs the plan, later ones apply
             # a pending re-plan. Under the precision's context, so that the profile sees the step's dtypes.
@@ -385,9 +341,7 @@ class HorizonStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        sharder = self._parts.get("sharding")
-        if sharder is not None:
-            sharder.uninstall()  # the module leaves fit exactly as it came in
+        self.parts.teardown()  # the sharder uninstalls: the module leaves fit exactly as it came in
         super().teardown()
 
     # ------------------------------------------------------------------ checkpoint state of the parts
@@ -396,14 +350,10 @@ class HorizonStrategy(DDPStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         # Called on every rank; the parts' state differs per rank (RNG, error feedback, plans), so gather it
         # to rank 0, which writes the file.
-        sync = self._parts.get("collectives")
-        if sync is not None:
-            sync.settle_layout(self.model)  # the bucket layout the next step reduces in (collective on every rank)
-        states = {name: part.state_dict() for name, part in self._parts.items()}
-        if self._nodes_diverge() and self.topology.local_rank == 0 and self.topology.node_rank > 0:
-            # Between local-SGD averages every node has its own weights, optimizer and precision state, and
-            # Lightning writes rank 0's: the first rank of every other node adds its node's (see load_checkpoint).
-            states["node"] = {k: checkpoint[k] for k in self._node_keys() if k in checkpoint}
+        self.parts.before_save(self.model)  # e.g. the bucket layout the next step reduces in (collective)
+        states = self.parts.state_dicts()
+        if self.nodes_diverge and self.topology.local_rank == 0 and self.topology.node_rank > 0:
+            states[NODE_KEY] = node_state(checkpoint, type(self.precision_plugin).__qualname__)
         ranks = self._gather_objects(states)
         if ranks is not None:
             checkpoint[_CHECKPOINT_KEY] = {"world_size": self.world_size, "ranks": ranks}
@@ -412,23 +362,23 @@ class HorizonStrategy(DDPStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        saved = self._loaded_parts = checkpoint.get(_CHECKPOINT_KEY)
-        self._restore_parts()  # parts that exist already; the others are restored when setup creates them
-        if saved is not None and saved["world_size"] == self.world_size and self._nodes_diverge():
-            # Lightning restores the weights, optimizer and precision state from this dict: give it this node's.
-            node = saved["ranks"][self.topology.node_rank * self.topology.ranks_per_node].get("node")
-            if node:
-                checkpoint = {**checkpoint, **node}
-                # DDP's constructor broadcasts rank 0's weights: setup puts this node's back after it
-                self._node_weights = node.get("state_dict")
+        saved = checkpoint.get(_CHECKPOINT_KEY)
+        if saved is None:
+            return checkpoint
+        if saved["world_size"] != self.world_size:
+            log.warning(
+                f"HorizonStrategy: checkpoint saved with world size {saved['world_size']}, resuming with"
+                f" {self.world_size}: per-rank state (RNG, collectives, sharding) starts fresh"
+            )
+            return checkpoint
+        # parts that exist get their state now, the others when setup creates them
+        self.parts.load_state_dicts({k: v for k, v in saved["ranks"][self.global_rank].items() if k != NODE_KEY})
+        if self.nodes_diverge:
+            # Lightning restores the weights, optimizer and precision state from this dict: give it this node's
+            checkpoint, self._node_weights = this_nodes_checkpoint(
+                checkpoint, saved["ranks"], self.topology.node_rank, self.topology.ranks_per_node
+            )
         return checkpoint
-
-    def _nodes_diverge(self) -> bool:
-        """Whether nodes hold different weights between steps (local SGD across several nodes)."""
-        return self.collectives_config.sync_every > 1 and self.topology is not None and self.topology.num_nodes > 1
-
-    def _node_keys(self) -> tuple[str, ...]:
-        return ("state_dict", "optimizer_states", type(self.precision_plugin).__qualname__)
 
     def _gather_objects(self, obj: Any) -> Optional[list[Any]]:
         """Every rank's ``obj`` on rank 0 (``None`` elsewhere): only rank 0 writes the checkpoint."""
@@ -437,24 +387,6 @@ class HorizonStrategy(DDPStrategy):
         out: Optional[list[Any]] = [None] * dist.get_world_size() if self.global_rank == 0 else None
         dist.gather_object(obj, out, dst=0)
         return out
-
-    def _restore_parts(self) -> None:
-        """Give each existing part its saved state, once; parts created later get theirs when they appear."""
-        saved = self._loaded_parts
-        if saved is None:
-            return
-        if saved["world_size"] != self.world_size:
-            log.warning(
-                f"HorizonStrategy: checkpoint saved with world size {saved['world_size']}, resuming with"
-                f" {self.world_size}: per-rank state (RNG, collectives, sharding) starts fresh"
-            )
-            self._loaded_parts = None
-            return
-        mine = saved["ranks"][self.global_rank]
-        for name, part in self._parts.items():
-            if name in mine and name not in self._restored:
-                part.load_state_dict(mine[name])
-                self._restored.add(name)
 
     # ------------------------------------------------------------------ registration
 
@@ -470,44 +402,9 @@ class HorizonStrategy(DDPStrategy):
             )
 
 
-def _finite_positive(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < float("inf")
-
-
-_START_METHODS = ("popen", "spawn", "fork", "forkserver")
-
-
-def _check_ddp_kwargs(kwargs: dict[str, Any]) -> None:
-    """The keywords HorizonStrategy hands on to DDPStrategy and DistributedDataParallel, checked by name now:
-    a misspelt one would otherwise fail in DDP's constructor, after every process has started."""
-    if "start_method" in kwargs and kwargs["start_method"] not in _START_METHODS:
-        raise ValueError(f"start_method={kwargs['start_method']!r}: allowed are {_START_METHODS}")
-    known = set(inspect.signature(DDPStrategy.__init__).parameters)
-    known |= set(inspect.signature(DistributedDataParallel.__init__).parameters)
-    known -= set(inspect.signature(HorizonStrategy.__init__).parameters)  # named, never in kwargs
-    known -= {"module", "device_ids", "bucket_cap_mb"}  # the strategy passes these itself
-    unknown = sorted(set(kwargs) - known)
-    if unknown:
-        raise ValueError(
-            f"{unknown[0]}={kwargs[unknown[0]]!r}: not a HorizonStrategy, DDPStrategy or DistributedDataParallel"
-            f" argument; allowed extra keywords are {sorted(known)}"
-        )
-
-
 def _destroy_process_group() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-
-
-def _cpulist(cores: list[int]) -> str:
-    """[0, 1, 2, 5] -> '0-2,5'."""
-    spans: list[str] = []
-    for c in sorted(cores):
-        if spans and int(spans[-1].split("-")[-1]) == c - 1:
-            spans[-1] = f"{spans[-1].split('-')[0]}-{c}"
-        else:
-            spans.append(str(c))
-    return ",".join(spans)
 
 
 __all__ = ["HorizonStrategy", "DEFAULT_TIMEOUT_S"]

@@ -1,4 +1,4 @@
-"""Who is where: nodes, local ranks, and the process groups the collectives use.
+"""Who is where: nodes, local ranks, their cores, and the process groups the collectives use.
 
 A rank's place is ``rank = node_rank * ranks_per_node + local_rank``, the order every launcher Lightning
 knows assigns. ``ranks_per_node`` normally equals the launcher's local world size; overriding it lets several
@@ -12,9 +12,11 @@ caches the grids so that the collectives never create a group on a hot path.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch.distributed as dist
+
+from lightning_horizon.checks import is_int, require
 
 
 @dataclass(frozen=True)
@@ -28,7 +30,7 @@ class Topology:
     def __post_init__(self) -> None:
         if self.world_size < 1:
             raise ValueError(f"world_size={self.world_size!r}: must be >= 1")
-        check_ranks_per_node(self.ranks_per_node, self.world_size)
+        check_ranks_per_node(self.ranks_per_node, self.world_size, owner="Topology")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank={self.rank!r}: must be in [0, {self.world_size})")
 
@@ -54,12 +56,14 @@ class Topology:
         return list(range(local_rank, self.world_size, self.ranks_per_node))
 
 
-def check_ranks_per_node(ranks_per_node: Optional[int], world_size: Optional[int] = None) -> None:
+def check_ranks_per_node(
+    ranks_per_node: Optional[int], world_size: Optional[int] = None, owner: str = "HorizonStrategy"
+) -> None:
     """Raise ``ValueError`` naming ``ranks_per_node`` when it is not a positive divisor of the world size."""
     if ranks_per_node is None:
         return
-    if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1:
-        raise ValueError(f"ranks_per_node={ranks_per_node!r}: must be a positive int (or None for the launcher's)")
+    require(is_int(ranks_per_node, 1), owner, "ranks_per_node", ranks_per_node,
+            "a positive int (or None for the launcher's)")
     if world_size is not None and world_size % ranks_per_node:
         raise ValueError(
             f"ranks_per_node={ranks_per_node!r} does not divide the world size {world_size}:"
@@ -122,3 +126,29 @@ class ProcessGroups:
                         g.col = pg
             self._grids[cols] = g
         return self._grids[cols]
+
+
+def placement_table(topology: Topology, placement: list[dict[str, Any]], header: str) -> str:
+    """The startup table: ``header`` (backend, ISA, allocator), then one line per rank with its node, local rank,
+    threads and cores (``placement``: one dict per rank, as the strategy gathers them at setup)."""
+    lines = [
+        f"HorizonStrategy: {topology.num_nodes} node(s) x {topology.ranks_per_node} rank(s) | {header}",
+        f"{'rank':>5} {'node':>5} {'local':>6} {'threads':>8}  cores",
+    ]
+    for r in placement:
+        lines.append(
+            f"{r['rank']:>5} {r['node']:>5} {r['local_rank']:>6} {r['threads']:>8}  {cpulist(r['cores'])}"
+            + ("  (shared)" if r["shared"] else "")
+        )
+    return "\n".join(lines)
+
+
+def cpulist(cores: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5' (the kernel's cpulist format)."""
+    spans: list[str] = []
+    for c in sorted(cores):
+        if spans and int(spans[-1].split("-")[-1]) == c - 1:
+            spans[-1] = f"{spans[-1].split('-')[0]}-{c}"
+        else:
+            spans.append(str(c))
+    return ",".join(spans)

@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_horizon.collectives import CollectivesConfig, CostModel, GradientSync, Link
+from lightning_horizon.collectives.cost_model import BucketPlanner
+from lightning_horizon.collectives.layout import Piece
 from lightning_horizon.collectives.probe import probe
 from lightning_horizon.topology import ProcessGroups, Topology
 
@@ -44,22 +46,6 @@ CLUSTER = CostModel(intra=Link(2e-6, 1 / 20e9), inter=Link(15e-6, 1 / 3.125e9))
 
 
 # ---------------------------------------------------------------------- worker (one rank)
-
-
-class _Bucket:
-    """What GradientSync.reduce reads from DDP's GradBucket: one parameter's gradient."""
-
-    def __init__(self, buffer: torch.Tensor, param: torch.nn.Parameter) -> None:
-        self._buffer, self._param = buffer, param
-
-    def buffer(self) -> torch.Tensor:
-        return self._buffer
-
-    def parameters(self) -> list[torch.Tensor]:
-        return [self._param]
-
-    def gradients(self) -> list[torch.Tensor]:
-        return [self._buffer]
 
 
 def _counters() -> dict[str, int]:
@@ -90,7 +76,7 @@ def worker(rank: int, args: argparse.Namespace) -> None:
         numel = param.numel()
         buf = torch.randn(numel)
         for name, sync in syncs.items():  # warm-up: connections, allocations
-            sync.reduce(_Bucket(buf.clone(), param)).wait()
+            sync.reduce(Piece.contiguous([param], buf.clone())).wait()
             sync.after_optimizer_step()
         for rep in range(args.reps):
             names = list(syncs)
@@ -102,7 +88,7 @@ def worker(rank: int, args: argparse.Namespace) -> None:
                 before = _counters() if local_zero and veth else {}
                 dist.barrier()
                 start = time.perf_counter()
-                sync.reduce(_Bucket(x, param)).wait()
+                sync.reduce(Piece.contiguous([param], x)).wait()
                 elapsed = time.perf_counter() - start
                 sync.after_optimizer_step()
                 dist.barrier()
@@ -258,8 +244,7 @@ def predictions(title: str, model: CostModel, mib: float = 8) -> None:
             piped = model.predict("hierarchical", numel, nodes, per_node, chunk_numel=chunk)
             q = min(model.predict("hierarchical", numel, nodes, per_node, compression="int8", chunk_numel=c).time
                     for c in (numel, chunk))
-            candidates = [("flat", nodes * per_node, numel)] + [("hierarchical", per_node, c) for c in (numel, chunk)]
-            algorithm, _, c = model.choose(numel, nodes, per_node, candidates)
+            algorithm, c = BucketPlanner(CollectivesConfig("auto"), nodes, per_node, per_node, model).plan_for(numel)
             auto = algorithm + (f" in {c * 4 / MIB:g} MiB chunks" if algorithm != "flat" and c < numel else "")
             inter = f"{f.inter_bytes / MIB:.3f} | {h.inter_bytes / MIB:.3f} ({f.inter_bytes_max / MIB:.2f})"
             print(f"{nodes:>6} {per_node:>4} {f.time * 1e3:>9.2f} {h.time * 1e3:>9.2f} {piped.time * 1e3:>9.2f}"

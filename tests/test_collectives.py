@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+from typing import Callable
 
 import lightning as L
 import pytest
@@ -22,9 +23,8 @@ import torch
 
 from lightning_horizon import HorizonStrategy
 from lightning_horizon.collectives import CollectivesConfig, CostModel, Link
-from lightning_horizon.collectives import cost_model as cm
 from lightning_horizon.collectives.compression import Codec, ErrorFeedback
-from tests.fake_bucket import FakeBucket
+from lightning_horizon.collectives.layout import Piece
 from tests.launch import REPO, run_script
 
 SCRIPTS = REPO / "tests" / "scripts"
@@ -82,27 +82,65 @@ def test_strategy_rejects_bad_collectives_before_any_process(kwargs, needle):
 LAN = CostModel(intra=Link(2e-6, 1 / 20e9), inter=Link(20e-6, 1 / 1.25e9))  # shared memory; 10 Gbit/s Ethernet
 
 
+# Textbook closed forms on one link class, for reasoning about crossovers and for checking the simulation.
+
+
+def ring_allreduce(p: int, n: float, link: Link) -> float:
+    """Ring: 2(p-1) steps of n/p bytes (bandwidth-optimal, latency linear in p)."""
+    return 2 * (p - 1) * (link.alpha + n / p * link.beta)
+
+
+def recursive_doubling_allreduce(p: int, n: float, link: Link) -> float:
+    """Recursive doubling: log2 p exchanges of the whole message (latency-optimal)."""
+    return math.ceil(math.log2(p)) * (link.alpha + n * link.beta)
+
+
+def rabenseifner_allreduce(p: int, n: float, link: Link) -> float:
+    """Recursive-halving reduce-scatter + recursive-doubling allgather: log latency, ring bandwidth."""
+    return 2 * math.ceil(math.log2(p)) * link.alpha + 2 * (p - 1) / p * n * link.beta
+
+
+def binomial_tree_allreduce(p: int, n: float, link: Link) -> float:
+    """Binomial-tree reduce then broadcast of the whole message."""
+    return 2 * math.ceil(math.log2(p)) * (link.alpha + n * link.beta)
+
+
+def crossover(f: Callable[[float], float], g: Callable[[float], float], lo: float = 1.0, hi: float = 2.0**40) -> float:
+    """The message size where ``f - g`` changes sign, by bisection on a log scale."""
+    d_lo = f(lo) - g(lo)
+    if d_lo * (f(hi) - g(hi)) > 0:
+        raise ValueError(f"no crossover between {lo} and {hi} bytes")
+    for _ in range(200):
+        mid = math.sqrt(lo * hi)
+        if (f(mid) - g(mid)) * d_lo > 0:
+            lo = mid
+        else:
+            hi = mid
+    return math.sqrt(lo * hi)
+
+
+
 def test_textbook_crossover_recursive_doubling_beats_ring_for_small_messages():
     p, link = 64, Link(10e-6, 1 / 10e9)
     log_p = math.log2(p)
     analytic = (2 * (p - 1) - log_p) * link.alpha / ((log_p - 2 * (p - 1) / p) * link.beta)
-    found = cm.crossover(lambda n: cm.recursive_doubling_allreduce(p, n, link), lambda n: cm.ring_allreduce(p, n, link))
+    found = crossover(lambda n: recursive_doubling_allreduce(p, n, link), lambda n: ring_allreduce(p, n, link))
     assert found == pytest.approx(analytic, rel=1e-9)
-    assert cm.recursive_doubling_allreduce(p, analytic / 10, link) < cm.ring_allreduce(p, analytic / 10, link)
-    assert cm.recursive_doubling_allreduce(p, analytic * 10, link) > cm.ring_allreduce(p, analytic * 10, link)
+    assert recursive_doubling_allreduce(p, analytic / 10, link) < ring_allreduce(p, analytic / 10, link)
+    assert recursive_doubling_allreduce(p, analytic * 10, link) > ring_allreduce(p, analytic * 10, link)
     # Rabenseifner has the ring's bandwidth term with log latency: never slower than the ring, and never slower
     # than the binomial tree.
     for n in (1e2, 1e4, 1e6, 1e8):
-        assert cm.rabenseifner_allreduce(p, n, link) <= cm.ring_allreduce(p, n, link)
-        assert cm.rabenseifner_allreduce(p, n, link) <= cm.binomial_tree_allreduce(p, n, link)
+        assert rabenseifner_allreduce(p, n, link) <= ring_allreduce(p, n, link)
+        assert rabenseifner_allreduce(p, n, link) <= binomial_tree_allreduce(p, n, link)
 
 
 def test_simulation_reproduces_the_textbook_ring_on_one_link_class():
     n = 1 << 20
     one_node = LAN.predict("flat", n, nodes=1, ranks_per_node=8)
-    assert one_node.time == pytest.approx(cm.ring_allreduce(8, 4 * n, LAN.intra), rel=1e-12)
+    assert one_node.time == pytest.approx(ring_allreduce(8, 4 * n, LAN.intra), rel=1e-12)
     one_per_node = LAN.predict("flat", n, nodes=8, ranks_per_node=1)
-    assert one_per_node.time == pytest.approx(cm.ring_allreduce(8, 4 * n, LAN.inter), rel=1e-12)
+    assert one_per_node.time == pytest.approx(ring_allreduce(8, 4 * n, LAN.inter), rel=1e-12)
     assert one_per_node.inter_bytes == pytest.approx(2 * 7 / 8 * 4 * n)
 
 
@@ -166,17 +204,17 @@ def test_int8_codec_error_is_within_half_a_step_and_keeps_overflow_visible():
 def test_error_feedback_follows_parameters_across_a_bucket_rebuild():
     a, b = torch.nn.Parameter(torch.zeros(2, 3)), torch.nn.Parameter(torch.zeros(5))
     ef = ErrorFeedback([("a", a), ("b", b)])
-    assert ef.gather(FakeBucket([a, b])) is None  # nothing fed back yet
-    ef.scatter(FakeBucket([a, b]), torch.arange(11.0))  # iteration 0: one bucket [a, b]
+    assert ef.gather(Piece.contiguous([a, b])) is None  # nothing fed back yet
+    ef.scatter(Piece.contiguous([a, b]), torch.arange(11.0))  # iteration 0: one bucket [a, b]
     # After the rebuild: [b] and [a] in their own buckets, in the other order.
-    assert torch.equal(ef.gather(FakeBucket([b])), torch.arange(6.0, 11.0))
-    assert torch.equal(ef.gather(FakeBucket([a])), torch.arange(6.0))
+    assert torch.equal(ef.gather(Piece.contiguous([b])), torch.arange(6.0, 11.0))
+    assert torch.equal(ef.gather(Piece.contiguous([a])), torch.arange(6.0))
     state = ef.state_dict()
     fresh = ErrorFeedback([("a", a), ("b", b)])
     fresh.load_state_dict(state)
-    assert torch.equal(fresh.gather(FakeBucket([b, a])), torch.cat([torch.arange(6.0, 11.0), torch.arange(6.0)]))
-    ef.scatter(FakeBucket([a]), None)  # consumed without compression: zero
-    assert ef.gather(FakeBucket([a])) is None
+    assert torch.equal(fresh.gather(Piece.contiguous([b, a])), torch.cat([torch.arange(6.0, 11.0), torch.arange(6.0)]))
+    ef.scatter(Piece.contiguous([a]), None)  # consumed without compression: zero
+    assert ef.gather(Piece.contiguous([a])) is None
     with pytest.raises(ValueError, match="shape"):
         fresh.load_state_dict({"residual": {"a": torch.zeros(3)}})
 

@@ -30,6 +30,7 @@ import risk_classifier  # noqa: E402
 
 from lightning_horizon import CommMonitor, HorizonStrategy, MemoryMonitor, ThroughputMFUMonitor  # noqa: E402
 from lightning_horizon.callbacks.comm import find_comm_metrics  # noqa: E402
+from lightning_horizon.parts import Part  # noqa: E402
 
 TINY = str(REPO / "recipes" / "configs" / "tiny.yaml")
 
@@ -176,19 +177,11 @@ class _Tokens(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-class _FakeSync:
-    """Stands in for the collectives' GradientSync: the shape CommMonitor looks for."""
-
-    accounting = object()
+class _FakeSync(Part):
+    """Stands in for the collectives' GradientSync (a strategy part): what CommMonitor reads."""
 
     def metrics(self):
         return {"comm/intra_bytes": 1024.0, "comm/inter_bytes": 0.0, "comm/seconds": 0.001, "comm/calls": 2.0}
-
-    def state_dict(self):
-        return {}
-
-    def load_state_dict(self, state):
-        pass
 
 
 def _fit_monitors(tmp_path, strategy, callbacks):
@@ -205,7 +198,7 @@ def test_monitors_log_their_keys_and_summaries(tmp_path, caplog):
     memory = MemoryMonitor(log_every_n_steps=2, summary_every_n_steps=4)
     comm = CommMonitor(summary_every_n_steps=4)
     strategy = HorizonStrategy(threads_per_rank=1)
-    strategy._parts["fake_sync"] = _FakeSync()
+    strategy.parts.add("collectives", _FakeSync())
     with caplog.at_level(logging.INFO):
         trainer, m = _fit_monitors(tmp_path, strategy, [throughput, memory, comm])
     for key in ("train/device/items_per_sec", "train/device/flops_per_sec", "train/device/mfu", "mem/rss_mib",
@@ -246,3 +239,60 @@ def test_bench_smoke(tmp_path, cache_dir):
 
     rows = {r["arm"]: r for r in json.loads((tmp_path / "b.json").read_text())["rows"]}
     assert all(r["tokens_per_sec"] > 0 and math.isfinite(r["final_loss"]) for r in rows.values())
+
+
+# ---------------------------------------------------------------------- every recipe script runs, tiny settings
+# (bench_vs_lightning: test_bench_smoke above; pretrain_gpt and risk_classifier: their tests above)
+
+
+def test_bench_collectives_smoke(monkeypatch, capsys):
+    """Loopback, 4 ranks as 2 x 2, one small size: every algorithm (and int8) reduces a bucket, the accounted
+    inter-node bytes are the cost model's, and the predictions print. The ranks run the script's ``__main__``."""
+    import bench_collectives
+
+    monkeypatch.setattr(sys, "argv", ["bench_collectives.py", "--no-netns", "--no-shape", "--sizes", "0.25",
+                                      "--reps", "1", "--with-int8", "--timeout", "150"])
+    bench_collectives.main()  # kills its ranks and raises when one fails or the timeout passes
+    out = capsys.readouterr().out
+    assert "== loopback" in out and "reference cluster" in out
+    cells = re.findall(r"(\w+): ([\d.]+) \| ([\d.]+)", out)  # "algorithm: accounted | model" MiB per rank
+    assert {name for name, _, _ in cells} == {"flat", "hierarchical", "torus2d", "hierarchical_int8"}
+    assert all(accounted == model for _, accounted, model in cells), cells
+
+
+def test_bench_precision_smoke(monkeypatch, capsys):
+    import bench_precision
+
+    config = "horizon bf16-true kahan"
+    monkeypatch.setattr(sys, "argv", [
+        "bench_precision.py", "--vocab", "64", "--dim", "32", "--layers", "1", "--heads", "2", "--seq", "16",
+        "--batch", "2", "--steps", "1", "--warmup", "1", "--rounds", "1", "--threads", "1", "--configs", config,
+    ])
+    bench_precision.main()  # runs the config here, its peak-RSS fit in a child process
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith(config + " "))
+    measured, analytic = row.split()[-3:-1]
+    assert float(measured) == float(analytic) == 10  # bytes per parameter: bf16 weight + compensation + grad + state
+
+
+def test_bench_sharding_smoke(monkeypatch, capsys):
+    """One block, 16 tokens, one allocator, one step: plain, per-block checkpointing and a plan, each in its own
+    process (the script's ``__main__``)."""
+    import bench_sharding
+
+    monkeypatch.setattr(sys, "argv", ["bench_sharding.py", "--allocator", "glibc", "--fractions", "", "--steps", "1",
+                                      "--layers", "1", "--d", "32", "--seq", "16", "--batch", "1"])
+    bench_sharding.main()
+    out = capsys.readouterr().out
+    rows = [line.split()[0] for line in out.splitlines() if line.startswith(("plain ", "per-block ", "plan@"))]
+    assert rows == ["plain", "per-block", "plan@per-block"], out
+
+
+def test_grad_norm_backoff_demo_smoke(tmp_path, monkeypatch, capsys):
+    import grad_norm_backoff_demo
+
+    png = tmp_path / "backoff.png"
+    monkeypatch.setattr(sys, "argv", ["grad_norm_backoff_demo.py", "--steps", "12", "--spike-at", "4", "5",
+                                      "--nan-at", "8", "--recover-after", "2", "--out", str(png)])
+    grad_norm_backoff_demo.main()
+    assert "spikes=2 skipped_steps=1 " in capsys.readouterr().out
+    assert png.stat().st_size > 1000

@@ -17,7 +17,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_horizon.callbacks._checks import check_int
+from lightning_horizon.checks import check_int
 
 log = logging.getLogger(__name__)
 
@@ -25,20 +25,12 @@ _MIB = 2**20
 
 
 def find_comm_metrics(strategy: Any) -> Optional[Callable[[], dict[str, float]]]:
-    """The strategy's per-step communication figures as a ``metrics()`` callable, or None where it keeps none.
-
-    Looked for, in order: ``strategy.comm_metrics()``; then a ``metrics()`` method on an object that also has an
-    ``accounting`` attribute, among the strategy's comm-hook state and its registered per-rank parts.
-    """
+    """The strategy's per-step communication figures as a ``metrics()`` callable, or None where it keeps none:
+    ``strategy.comm_metrics`` (HorizonStrategy's, when it has a gradient sync; or any strategy's that has one)."""
+    if getattr(strategy, "gradient_sync", True) is None:
+        return None  # HorizonStrategy on one process, or with a comm hook of the user's own
     direct = getattr(strategy, "comm_metrics", None)
-    if callable(direct):
-        return direct
-    candidates = [getattr(strategy, "_ddp_comm_state", None), getattr(strategy, "gradient_sync", None)]
-    candidates += list(getattr(strategy, "_parts", {}).values())
-    for obj in candidates:
-        if obj is not None and hasattr(obj, "accounting") and callable(getattr(obj, "metrics", None)):
-            return obj.metrics
-    return None
+    return direct if callable(direct) else None
 
 
 class CommMonitor(Callback):

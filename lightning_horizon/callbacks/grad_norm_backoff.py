@@ -36,6 +36,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_horizon.checks import check_int, is_number, require
 from lightning_horizon.gradnorm import clip_grads_, total_norm_fp32
 from lightning_horizon.precision import HorizonPrecision
 
@@ -111,21 +112,23 @@ class GradNormBackoff(Callback):
         log_prefix: str = "",
     ) -> None:
         super().__init__()
-        _check(max_norm is None or (_is_real(max_norm) and 0 < max_norm < math.inf), "max_norm", max_norm,
-               "a finite number > 0, or None to not clip")
-        _check(_is_real(norm_type) and norm_type > 0, "norm_type", norm_type, "a number > 0 (float('inf') allowed)")
-        _check(spike_threshold is None or (_is_real(spike_threshold) and spike_threshold > 0), "spike_threshold",
-               spike_threshold, "a number > 0, or None for no fixed threshold")
-        _check(spike_zscore is None or (_is_real(spike_zscore) and 0 < spike_zscore < math.inf), "spike_zscore",
-               spike_zscore, "a finite number > 0, or None for no adaptive threshold")
-        _check(_is_int(zscore_window) and zscore_window >= 2, "zscore_window", zscore_window, "an int >= 2")
-        _check(_is_real(factor) and 0 < factor < 1, "factor", factor, "a number in (0, 1)")
-        _check(_is_real(min_scale) and 0 < min_scale <= 1, "min_scale", min_scale, "a number in (0, 1]")
-        _check(_is_int(recover_after) and recover_after >= 1, "recover_after", recover_after, "an int >= 1")
-        _check(recover_factor is None or (_is_real(recover_factor) and 1 < recover_factor < math.inf),
-               "recover_factor", recover_factor, "a finite number > 1, or None for 1 / factor")
-        _check(isinstance(skip_nonfinite, bool), "skip_nonfinite", skip_nonfinite, "True or False")
-        _check(isinstance(log_prefix, str), "log_prefix", log_prefix, "a string")
+        owner = "GradNormBackoff"
+        require(max_norm is None or is_number(max_norm, 0), owner, "max_norm", max_norm,
+                "a finite number > 0, or None to not clip")
+        require(is_number(norm_type, 0, math.inf, include_high=True), owner, "norm_type", norm_type,
+                "a number > 0 (float('inf') allowed)")
+        require(spike_threshold is None or is_number(spike_threshold, 0, math.inf, include_high=True), owner,
+                "spike_threshold", spike_threshold, "a number > 0, or None for no fixed threshold")
+        require(spike_zscore is None or is_number(spike_zscore, 0), owner, "spike_zscore", spike_zscore,
+                "a finite number > 0, or None for no adaptive threshold")
+        check_int(owner, "zscore_window", zscore_window, 2)
+        require(is_number(factor, 0, 1), owner, "factor", factor, "a number in (0, 1)")
+        require(is_number(min_scale, 0, 1, include_high=True), owner, "min_scale", min_scale, "a number in (0, 1]")
+        check_int(owner, "recover_after", recover_after, 1)
+        require(recover_factor is None or is_number(recover_factor, 1), owner, "recover_factor", recover_factor,
+                "a finite number > 1, or None for 1 / factor")
+        require(isinstance(skip_nonfinite, bool), owner, "skip_nonfinite", skip_nonfinite, "True or False")
+        require(isinstance(log_prefix, str), owner, "log_prefix", log_prefix, "a string")
         self.max_norm = None if max_norm is None else float(max_norm)
         self.norm_type = float(norm_type)
         self.spike_threshold = None if spike_threshold is None else float(spike_threshold)
@@ -380,16 +383,3 @@ def _agree_across_ranks(norm: Tensor, node: int = 0, nodes: int = 1) -> tuple[fl
 def _rank_zero(trainer: "pl.Trainer", fn: Any, *args: Any) -> None:
     if getattr(trainer, "is_global_zero", True):
         fn(*args)
-
-
-def _is_real(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x)
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _check(ok: bool, name: str, value: Any, allowed: str) -> None:
-    if not ok:
-        raise ValueError(f"GradNormBackoff: {name}={value!r} is not allowed; {name} must be {allowed}.")

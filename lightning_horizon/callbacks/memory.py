@@ -23,7 +23,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_horizon.callbacks._checks import check_int
+from lightning_horizon.checks import check_int
 from lightning_horizon.memory.probe import current_rss, node_free_memory, peak_rss
 
 log = logging.getLogger(__name__)

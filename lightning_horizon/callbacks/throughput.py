@@ -13,6 +13,7 @@ It also puts tokens/s (global) in the progress bar and prints a one-line summary
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Any, Callable, Optional, Sequence
 
@@ -23,7 +24,7 @@ from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
 
-from lightning_horizon.callbacks._checks import check_int
+from lightning_horizon.checks import check_int, is_int, is_number, require
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +40,8 @@ def measure_matmul_peak(
     closest to what the cores can do, so MFU figures err on the low side. Several sizes, because the size that
     reaches the peak grows with the core count (a 512 matmul is enough for 2 cores, not for 64).
     """
-    if not sizes or any(isinstance(n, bool) or not isinstance(n, int) or n < 64 for n in sizes):
-        raise ValueError(f"measure_matmul_peak(sizes={sizes!r}): allowed are ints >= 64 (smaller measure overhead)")
+    require(bool(sizes) and all(is_int(n, 64) for n in sizes), "measure_matmul_peak", "sizes", sizes,
+            "a non-empty sequence of ints >= 64 (smaller ones measure overhead)")
     best_flops = 0.0
     for n in sizes:
         a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
@@ -100,18 +101,13 @@ class ThroughputMFUMonitor(ThroughputMonitor):
     ) -> None:
         check_int("ThroughputMFUMonitor", "window_size", window_size, 2)
         check_int("ThroughputMFUMonitor", "summary_every_n_steps", summary_every_n_steps, 0, " (0: no summary lines)")
-        if not peak_matmul_sizes or any(isinstance(n, bool) or not isinstance(n, int) or n < 64
-                                        for n in peak_matmul_sizes):
-            raise ValueError(f"ThroughputMFUMonitor(peak_matmul_sizes={peak_matmul_sizes!r}): allowed is a non-empty"
-                             " sequence of ints >= 64")
-        if peak_flops is not None and (isinstance(peak_flops, bool) or not isinstance(peak_flops, (int, float))
-                                       or not peak_flops > 0):
-            raise ValueError(f"ThroughputMFUMonitor(peak_flops={peak_flops!r}): allowed is a number > 0 or None")
-        if not isinstance(prog_bar, bool):
-            raise ValueError(f"ThroughputMFUMonitor(prog_bar={prog_bar!r}): allowed is True or False")
+        require(bool(peak_matmul_sizes) and all(is_int(n, 64) for n in peak_matmul_sizes), "ThroughputMFUMonitor",
+                "peak_matmul_sizes", peak_matmul_sizes, "a non-empty sequence of ints >= 64")
+        require(peak_flops is None or is_number(peak_flops, 0, math.inf, include_high=True), "ThroughputMFUMonitor",
+                "peak_flops", peak_flops, "a number > 0 or None")
+        require(isinstance(prog_bar, bool), "ThroughputMFUMonitor", "prog_bar", prog_bar, "True or False")
         for name, fn in (("batch_size_fn", batch_size_fn), ("length_fn", length_fn)):
-            if fn is not None and not callable(fn):
-                raise ValueError(f"ThroughputMFUMonitor({name}={fn!r}): allowed is a callable(batch) -> int or None")
+            require(fn is None or callable(fn), "ThroughputMFUMonitor", name, fn, "a callable(batch) -> int or None")
         super().__init__(batch_size_fn or _batch_size, length_fn or _batch_tokens, window_size=window_size)
         self.peak_flops_given = peak_flops
         self.summary_every_n_steps, self.prog_bar = summary_every_n_steps, prog_bar

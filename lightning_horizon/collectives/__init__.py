@@ -7,7 +7,7 @@ See docs/collectives.md for each algorithm's steps, cost and when to choose it.
 from lightning_horizon.collectives.accounting import CommAccounting, Counters
 from lightning_horizon.collectives.config import ALGORITHMS, COMPRESSIONS, CollectivesConfig
 from lightning_horizon.collectives.cost_model import CostModel, Link, Prediction
-from lightning_horizon.collectives.hooks import (
+from lightning_horizon.collectives.sync import (
     HOOKS,
     GradientSync,
     auto_hook,

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from lightning_horizon.collectives.comm import Comm
 from lightning_horizon.collectives.compression import Codec, compressed_allreduce
-from lightning_horizon.collectives.cost_model import chunk_sizes
+from lightning_horizon.collectives.chunks import chunk_sizes
 
 
 def narrow(x: torch.Tensor) -> bool:

@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from lightning_horizon.collectives.comm import Comm
-from lightning_horizon.collectives.cost_model import round_up
+from lightning_horizon.collectives.layout import offsets
+from lightning_horizon.collectives.chunks import round_up
 
 
 class Codec:
@@ -83,12 +84,8 @@ class ErrorFeedback:
         self.residual: dict[str, torch.Tensor] = {}
 
     def _layout(self, bucket) -> list[tuple[str, int, int]]:
-        base = bucket.buffer().data_ptr()
-        itemsize = bucket.buffer().element_size()
-        return [
-            (self._names[id(p)], (g.data_ptr() - base) // itemsize, g.numel())
-            for p, g in zip(bucket.parameters(), bucket.gradients())
-        ]
+        """``(name, offset in the bucket's buffer, numel)`` per parameter of the bucket."""
+        return [(self._names[id(p)], offset, p.numel()) for p, offset in zip(bucket.parameters(), offsets(bucket))]
 
     def gather(self, bucket) -> Optional[torch.Tensor]:
         """The residual of the bucket's parameters in bucket layout; ``None`` while it is all zero."""

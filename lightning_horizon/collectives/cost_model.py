@@ -1,29 +1,31 @@
-"""The alpha-beta cost model: what each allreduce algorithm sends, over which link, and how long it takes.
+"""The alpha-beta cost model: what each allreduce algorithm sends, over which link, how long it takes, and which
+algorithm ``auto`` picks for a bucket.
 
 A message of ``s`` bytes over a link costs ``alpha + s * beta`` (latency, then seconds per byte). There are two
 link classes: intra-node (shared memory / loopback) and inter-node (the NIC). The inter-node link is a node's
 NIC, so flows leaving one node in the same round share it: ``k`` flows each take ``k`` times as long.
 
-Two layers:
-
-* textbook closed forms on one link class (ring, recursive doubling, Rabenseifner, binomial tree), for reasoning
-  and for checking crossovers;
-* a round-by-round simulation of the collectives *as they run here* (gloo's ring allreduce; all-to-all and
-  all-gather as pairwise isend/irecv) on a real placement of ``nodes x ranks_per_node`` ranks. :func:`plan` lists the stages each of our
-  algorithms issues, with the same chunking and padding the hooks apply, so the model's byte counts are the
-  hooks' byte counts. A pipelined two-level reduction overlaps the row stages of one chunk with the column
-  stage of another: after the first chunk, each chunk costs the slower of its row and column work.
+The model simulates, round by round, the collectives *as they run here* (gloo's ring allreduce; all-to-all and
+all-gather as pairwise isend/irecv) on a real placement of ``nodes x ranks_per_node`` ranks. :func:`plan` lists
+the stages each of our algorithms issues, with the same chunking and padding the hooks apply (``chunks.py``), so
+the model's byte counts are the hooks' byte counts. A pipelined two-level reduction overlaps the row stages of
+one chunk with the column stage of another: after the first chunk, each chunk costs the slower of its row and
+column work. :class:`BucketPlanner` turns the predictions into a choice per bucket size. (The textbook closed
+forms on one link class, which the simulation reproduces, live in tests/test_collectives.py.)
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
 
-FP32 = 4
+from lightning_horizon.collectives.chunks import FP32, chunk_sizes, payload_bytes, round_up
+
+if TYPE_CHECKING:  # config.py imports this module to check a given cost model
+    from lightning_horizon.collectives.config import CollectivesConfig
 
 
 @dataclass(frozen=True)
@@ -148,28 +150,6 @@ class Prediction:
     inter_bytes_max: float
 
 
-def round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
-def payload_bytes(numel: int, compression: Optional[str], int8_block: int) -> int:
-    """Bytes on the wire for ``numel`` elements (``numel`` a multiple of the block for int8)."""
-    if compression is None:
-        return FP32 * numel
-    if compression == "bf16":
-        return 2 * numel
-    return numel + FP32 * (numel // int8_block)  # int8 values, then one fp32 scale per block
-
-
-def chunk_sizes(numel: int, row_size: int, chunk_numel: int) -> list[int]:
-    """How a two-level reduction cuts ``numel`` elements: chunks of ``chunk_numel`` rounded up to a multiple of
-    the row, the last one shorter and padded to a multiple of the row."""
-    padded = round_up(numel, row_size)
-    chunk = round_up(max(chunk_numel, 1), row_size)
-    full, rest = divmod(padded, chunk)
-    return [chunk] * full + ([rest] if rest else [])
-
-
 def plan(
     algorithm: str,
     numel: int,
@@ -213,38 +193,52 @@ def _groups(axis: str, world: int, cols: int) -> list[list[int]]:
     return [list(range(c, world, cols)) for c in range(cols)]
 
 
-# ---------------------------------------------------------------------- textbook closed forms (one link class)
+# ---------------------------------------------------------------------- the choice per bucket
 
 
-def ring_allreduce(p: int, n: float, link: Link) -> float:
-    """Ring: 2(p-1) steps of n/p bytes (bandwidth-optimal, latency linear in p)."""
-    return 2 * (p - 1) * (link.alpha + n / p * link.beta)
+class BucketPlanner:
+    """``(algorithm, pipeline chunk in elements)`` for each bucket size: the configured ones, or for ``auto`` the
+    cheapest by the cost model, chosen once per bucket size.
 
+    ``auto`` weighs flat, hierarchical and (where its grid is neither of those) torus2d, each two-level one both
+    pipelined and in one piece, since every chunk pays every stage's latency again (a ring across 256 nodes has
+    510 steps). Every rank holds the same constants (the probe agrees on them), so every rank picks alike.
+    """
 
-def recursive_doubling_allreduce(p: int, n: float, link: Link) -> float:
-    """Recursive doubling: log2 p exchanges of the whole message (latency-optimal)."""
-    return math.ceil(math.log2(p)) * (link.alpha + n * link.beta)
+    def __init__(
+        self,
+        config: CollectivesConfig,
+        nodes: int,
+        ranks_per_node: int,
+        torus_cols: int,
+        model: Optional[CostModel] = None,
+        info: Callable[[str], None] = lambda message: None,
+    ) -> None:
+        if config.algorithm == "auto" and model is None:
+            raise ValueError("collectives='auto' needs a cost model: allowed is a CostModel (given or probed)")
+        self.config, self.model, self._info = config, model, info
+        self.nodes, self.ranks_per_node, self.torus_cols = nodes, ranks_per_node, torus_cols
+        #: ``auto``'s choice per bucket size (elements)
+        self.choices: dict[int, tuple[str, int]] = {}
 
-
-def rabenseifner_allreduce(p: int, n: float, link: Link) -> float:
-    """Recursive-halving reduce-scatter + recursive-doubling allgather: log latency, ring bandwidth."""
-    return 2 * math.ceil(math.log2(p)) * link.alpha + 2 * (p - 1) / p * n * link.beta
-
-
-def binomial_tree_allreduce(p: int, n: float, link: Link) -> float:
-    """Binomial-tree reduce then broadcast of the whole message."""
-    return 2 * math.ceil(math.log2(p)) * (link.alpha + n * link.beta)
-
-
-def crossover(f: Callable[[float], float], g: Callable[[float], float], lo: float = 1.0, hi: float = 2.0**40) -> float:
-    """The message size where ``f - g`` changes sign, by bisection on a log scale."""
-    d_lo = f(lo) - g(lo)
-    if d_lo * (f(hi) - g(hi)) > 0:
-        raise ValueError(f"no crossover between {lo} and {hi} bytes")
-    for _ in range(200):
-        mid = math.sqrt(lo * hi)
-        if (f(mid) - g(mid)) * d_lo > 0:
-            lo = mid
-        else:
-            hi = mid
-    return math.sqrt(lo * hi)
+    def plan_for(self, numel: int) -> tuple[str, int]:
+        """``(algorithm, pipeline chunk in elements)`` for a bucket of ``numel`` elements."""
+        cfg = self.config
+        chunk = cfg.chunk_numel
+        if cfg.algorithm != "auto":
+            return cfg.algorithm, chunk
+        if numel not in self.choices:
+            per_node, world = self.ranks_per_node, self.nodes * self.ranks_per_node
+            two_level = [("hierarchical", per_node)]
+            if self.torus_cols not in (per_node, world):
+                two_level.append(("torus2d", self.torus_cols))
+            candidates = [("flat", world, numel)]
+            candidates += [(a, cols, c) for a, cols in two_level for c in dict.fromkeys((chunk, numel))]
+            assert self.model is not None
+            algorithm, _, chunk = self.model.choose(
+                numel, self.nodes, per_node, candidates, compression=cfg.compression, int8_block=cfg.int8_block
+            )
+            self.choices[numel] = (algorithm, chunk)
+            pieces = f" in chunks of {chunk * FP32 / 2**20:.3f} MiB" if algorithm != "flat" and chunk < numel else ""
+            self._info(f"collectives auto: buckets of {numel * FP32 / 2**20:.3f} MiB -> {algorithm}{pieces}")
+        return self.choices[numel]

@@ -29,13 +29,29 @@ log = logging.getLogger(__name__)
 
 
 class Piece:
-    """One saved bucket cut out of a DDP bucket: the parts of ``GradBucket`` that the reduction reads."""
+    """The parts of DDP's ``GradBucket`` that the reduction reads: a flat ``buffer`` and the parameters'
+    gradients as views into it, each at the buffer offset ``moves`` gives it.
+
+    One saved bucket cut out of a DDP bucket (:meth:`BucketLayout.pieces`), or, built by :meth:`contiguous`, a
+    stand-in for a GradBucket where there is no DDP (benchmarks, tests).
+    """
 
     def __init__(self, index: int, last: bool, params: list[torch.Tensor], moves: list[tuple[int, int, int]],
-                 dtype: torch.dtype) -> None:
+                 buffer: torch.Tensor) -> None:
+        """``moves``: per parameter ``(offset in the source bucket, offset in buffer, numel)``."""
         self._index, self._last, self._params, self._moves = index, last, params, moves
-        self._buffer = torch.empty(sum(n for _, _, n in moves), dtype=dtype)
+        self._buffer = buffer
         self._grads = [self._buffer[dst : dst + n].view_as(p) for p, (_, dst, n) in zip(params, moves)]
+
+    @classmethod
+    def contiguous(cls, params: list[torch.Tensor], buffer: Optional[torch.Tensor] = None, last: bool = True,
+                   index: int = 0) -> "Piece":
+        """A bucket of ``params`` laid out one after another in ``buffer`` (default: fp32 zeros)."""
+        moves, offset = [], 0
+        for p in params:
+            moves.append((offset, offset, p.numel()))
+            offset += p.numel()
+        return cls(index, last, list(params), moves, torch.zeros(offset) if buffer is None else buffer)
 
     def index(self) -> int:
         return self._index
@@ -118,7 +134,8 @@ class BucketLayout:
             for n, p in zip(self._target[i], params):
                 moves.append((src[n], dst, p.numel()))
                 dst += p.numel()
-            out.append(Piece(i, bucket.is_last() and i == indices[-1], params, moves, bucket.buffer().dtype))
+            buffer = torch.empty(dst, dtype=bucket.buffer().dtype)
+            out.append(Piece(i, bucket.is_last() and i == indices[-1], params, moves, buffer))
         self.cuts += 1
         return out
 

@@ -14,13 +14,13 @@ node all-gathers the slices, the same path as the hierarchical allreduce.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 
 from lightning_horizon.collectives.comm import Comm
-from lightning_horizon.collectives.cost_model import round_up
+from lightning_horizon.collectives.chunks import round_up
 from lightning_horizon.state import TrainingState
 
 
@@ -90,3 +90,27 @@ class PeriodicSync:
 
     def load_state_dict(self, state: dict) -> None:
         self.step, self.syncs = int(state["step"]), int(state["syncs"])
+
+
+# ---------------------------------------------------------------------- checkpoints between averages
+# Between two averages every node has its own weights, optimizer state and precision state, while Lightning writes
+# rank 0's only: the first rank of every other node adds its node's to its per-rank strategy state, and a resumed
+# rank takes its own node's back.
+
+NODE_KEY = "node"
+
+
+def node_state(checkpoint: dict[str, Any], precision_key: str) -> dict[str, Any]:
+    """What the first rank of a node other than 0 adds to the checkpoint: its node's weights, optimizer and
+    precision state (``precision_key``: the precision plugin's checkpoint key)."""
+    return {k: checkpoint[k] for k in ("state_dict", "optimizer_states", precision_key) if k in checkpoint}
+
+
+def this_nodes_checkpoint(checkpoint: dict[str, Any], ranks: list[dict[str, Any]], node_rank: int,
+                          ranks_per_node: int) -> tuple[dict[str, Any], Optional[dict[str, Any]]]:
+    """``checkpoint`` with this node's weights, optimizer and precision state in place of rank 0's, and this
+    node's weights (``None`` for node 0): DDP's constructor broadcasts rank 0's, so they go back after it."""
+    node = ranks[node_rank * ranks_per_node].get(NODE_KEY)
+    if not node:
+        return checkpoint, None
+    return {**checkpoint, **node}, node.get("state_dict")

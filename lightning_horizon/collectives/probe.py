@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 from lightning_horizon.collectives.accounting import CommAccounting
 from lightning_horizon.collectives.comm import Comm
-from lightning_horizon.collectives.cost_model import FP32, CostModel, Link
+from lightning_horizon.collectives.chunks import FP32
+from lightning_horizon.collectives.cost_model import CostModel, Link
 from lightning_horizon.topology import ProcessGroups
 
 SMALL_NUMEL = 256  # 1 KiB: latency-bound

@@ -23,6 +23,7 @@ from typing import Optional
 import psutil
 
 from lightning_horizon import cpu
+from lightning_horizon.checks import check_int
 
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
 _UNLIMITED = 1 << 60  # cgroup v1 reports "no limit" as a huge page-rounded number
@@ -122,8 +123,7 @@ def node_free_memory() -> int:
 
 def fair_share(local_world_size: int = 1) -> int:
     """This rank's share of the node: its own RSS plus the free memory divided by the ranks on the node."""
-    if isinstance(local_world_size, bool) or not isinstance(local_world_size, int) or local_world_size < 1:
-        raise ValueError(f"local_world_size={local_world_size!r}: must be an int >= 1")
+    check_int("fair_share", "local_world_size", local_world_size, 1)
     return current_rss() + node_free_memory() // local_world_size
 
 

@@ -21,6 +21,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
+from lightning_horizon.checks import check_int, check_one_of, is_int, require
 from lightning_horizon.cpu import resolve_compute
 from lightning_horizon.gradnorm import clip_grads_, total_norm_fp32
 from lightning_horizon.precision.fp32_master import FP32MasterPolicy
@@ -208,26 +209,19 @@ def _check_arguments(
     mode: Any, master: Any, compute: Any, backend: Any, state_rounding: Any, step_chunk_numel: Any, seed: Any
 ) -> None:
     """Raise a ValueError naming the parameter, the value and what is allowed, for the first bad argument."""
-    _check("mode", mode, MODES)
+    owner = "HorizonPrecision"
+    check_one_of(owner, "mode", mode, MODES)
     if mode == "bf16-true":
-        _check("master", master, (*MASTERS, None))
+        check_one_of(owner, "master", master, (*MASTERS, None))
     elif master is not None:
         raise ValueError(
             f"HorizonPrecision(master={master!r}) with mode={mode!r}: only mode='bf16-true' has a master"
             f" (allowed there: {', '.join(map(repr, MASTERS))}); {mode!r} keeps the parameters themselves in"
             " fp32, so pass master=None"
         )
-    _check("compute", compute, COMPUTES)
-    _check("backend", backend, BACKENDS)
-    _check("state_rounding", state_rounding, STATE_ROUNDINGS)
-    if isinstance(step_chunk_numel, bool) or not isinstance(step_chunk_numel, int) or step_chunk_numel < 1:
-        raise ValueError(f"HorizonPrecision(step_chunk_numel={step_chunk_numel!r}): allowed is an int >= 1")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"HorizonPrecision(seed={seed!r}): allowed is an int")
+    check_one_of(owner, "compute", compute, COMPUTES)
+    check_one_of(owner, "backend", backend, BACKENDS)
+    check_one_of(owner, "state_rounding", state_rounding, STATE_ROUNDINGS)
+    check_int(owner, "step_chunk_numel", step_chunk_numel, 1)
+    require(is_int(seed), owner, "seed", seed, "an int")
 
-
-def _check(name: str, value: Any, allowed: tuple) -> None:
-    if value not in allowed:
-        raise ValueError(
-            f"HorizonPrecision({name}={value!r}): allowed are {', '.join(repr(a) for a in allowed)}"
-        )

@@ -14,9 +14,11 @@ The fair share and the node's free memory are the probes of ``lightning_horizon/
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Optional, Union
 
+from lightning_horizon.checks import check_int, check_one_of, is_number, require
 from lightning_horizon.memory.probe import GLIBC_OVERHEAD, fair_share, returns_freed_memory
 
 
@@ -65,60 +67,40 @@ class ShardingConfig:
     byte and FLOP counts are scaled back up by the inverse."""
 
     def __post_init__(self) -> None:
-        b = self.budget
+        owner, b = "ShardingConfig", self.budget
         if b is not None:
-            if isinstance(b, bool) or not isinstance(b, (int, float)):
-                raise ValueError(f"budget={b!r}: must be an int (bytes), a float in (0, 1] (fraction) or None (auto)")
-            if not b > 0:  # NaN too
-                raise ValueError(f"budget={b!r}: must be > 0 (bytes as an int, or a fraction in (0, 1])")
-            if isinstance(b, float) and b > 1:
-                raise ValueError(
-                    f"budget={b!r}: a float is a fraction of this rank's memory and must be in (0, 1];"
-                    f" for bytes pass an int, e.g. budget={int(b)}"
-                )
-        _check_fraction("auto_fraction", self.auto_fraction)
-        _check_fraction("headroom", self.headroom)
-        _check_fraction("relax_below", self.relax_below)
-        _check_fraction("profile_batch_fraction", self.profile_batch_fraction)
-        if self.relax_below >= self.headroom:
-            raise ValueError(
-                f"relax_below={self.relax_below!r}: must be below headroom={self.headroom!r}, or the plan would"
-                " tighten and relax on the same measurement"
-            )
-        if isinstance(self.relax_after, bool) or not isinstance(self.relax_after, int) or self.relax_after < 1:
-            raise ValueError(f"relax_after={self.relax_after!r}: must be an int >= 1 (steps)")
-        if not isinstance(self.adaptive, bool):
-            raise ValueError(f"adaptive={self.adaptive!r}: must be True or False")
-        if self.allocator_overhead is not None and (
-            isinstance(self.allocator_overhead, bool)
-            or not isinstance(self.allocator_overhead, (int, float))
-            or not 1 <= self.allocator_overhead <= 10
-        ):
-            raise ValueError(f"allocator_overhead={self.allocator_overhead!r}: must be None (auto) or in [1, 10]")
-        if self.profile not in ("auto", "fake", "real"):
-            raise ValueError(f"profile={self.profile!r}: allowed are 'auto', 'fake', 'real'")
+            require(is_number(b, 0), owner, "budget", b,
+                    "an int (bytes), a float in (0, 1] (fraction) or None (auto); an int must be > 0")
+            require(isinstance(b, int) or b <= 1, owner, "budget", b,
+                    f"a float in (0, 1] (a fraction of this rank's memory); for bytes pass an int,"
+                    f" e.g. budget={int(b)}")
+        for name in ("auto_fraction", "headroom", "relax_below", "profile_batch_fraction"):
+            value = getattr(self, name)
+            require(is_number(value, 0, 1, include_high=True), owner, name, value, "a number in (0, 1]")
+        require(self.relax_below < self.headroom, owner, "relax_below", self.relax_below,
+                f"a number below headroom={self.headroom!r}, or the plan would tighten and relax on the same"
+                " measurement")
+        check_int(owner, "relax_after", self.relax_after, 1, " (steps)")
+        require(isinstance(self.adaptive, bool), owner, "adaptive", self.adaptive, "True or False")
+        overhead = self.allocator_overhead
+        require(overhead is None or is_number(overhead, 1, 10, include_low=True, include_high=True), owner,
+                "allocator_overhead", overhead, "None (auto) or in [1, 10]")
+        check_one_of(owner, "profile", self.profile, ("auto", "fake", "real"))
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-def _check_fraction(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-        raise ValueError(f"{name}={value!r}: must be a number in (0, 1]")
-
-
 def resolve_sharding(sharding: object) -> Optional[ShardingConfig]:
     """Validate the strategy's ``sharding=`` argument: ``None`` (off), ``"auto"`` or a ``ShardingConfig``."""
-    if sharding is None:
-        return None
-    if isinstance(sharding, str) and sharding == "auto":
-        return ShardingConfig()
-    if isinstance(sharding, ShardingConfig):
+    if sharding is None or isinstance(sharding, ShardingConfig):
         return sharding
     hint = ""
-    if isinstance(sharding, (int, float)) and not isinstance(sharding, bool):
+    if is_number(sharding, -math.inf, math.inf, include_low=True, include_high=True):
         hint = f"; for a memory budget write sharding=ShardingConfig(budget={sharding!r})"
-    raise ValueError(f"sharding={sharding!r}: allowed are None, 'auto' or a ShardingConfig(...){hint}")
+    require(isinstance(sharding, str) and sharding == "auto", "HorizonStrategy", "sharding", sharding,
+            f"None, 'auto' or a ShardingConfig(...){hint}")
+    return ShardingConfig()
 
 
 def resolve_budget(config: ShardingConfig, local_world_size: int = 1) -> int:

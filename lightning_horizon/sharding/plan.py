@@ -26,6 +26,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
+from lightning_horizon.checks import is_int, require
 from lightning_horizon.memory.probe import fmt_bytes
 from lightning_horizon.sharding.profile import Call, Profile
 
@@ -265,8 +266,7 @@ def make_plan(
     ``best_effort``, which returns the plan with the smallest estimated peak instead (used when re-planning
     during training, where stopping the run would lose more than a tight step).
     """
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
-        raise ValueError(f"budget={budget!r}: must be a positive int (bytes)")
+    require(is_int(budget, 1), "make_plan", "budget", budget, "a positive int (bytes)")
     target = int(budget * headroom)
     allowance = target - fixed
     grads = _Grads(profile.pending_grad_bytes, grads_in_forward)

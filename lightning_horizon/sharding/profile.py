@@ -17,16 +17,15 @@ It runs under FakeTensor where it can: no memory, no compute, the full batch. Wh
 or an op has no fake kernel, it runs for real on a slice of the batch and scales the figures back up. Either
 way, ``self.log`` and (manual optimization) backward and optimizer calls are silenced, the torch RNG state is
 restored, every pre-existing tensor written in place (buffers, parameters, the batch) is put back, and so is the
-modules' Python state (:class:`_UserState`): the profile leaves no trace, and no fake tensor stays behind.
+modules' Python state (isolation.py): the profile leaves no trace, and no fake tensor stays behind.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 from torch import nn
@@ -34,6 +33,9 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.flop_counter import FlopCounterMode
+
+from lightning_horizon.checks import check_one_of
+from lightning_horizon.sharding.isolation import UserState, silenced, tensors_in
 
 log = logging.getLogger(__name__)
 
@@ -84,17 +86,6 @@ class Profile:
 
     def by_key(self) -> dict[tuple[str, int], Call]:
         return {c.key: c for c in self.calls}
-
-
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for o in obj:
-            yield from _tensors(o)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            yield from _tensors(o)
 
 
 def _storage(t: torch.Tensor) -> tuple[Optional[int], int]:
@@ -155,7 +146,7 @@ class _Profiler(TorchDispatchMode):
         self.occurrences[name] = occ + 1
         call = Call(index=len(self.calls), name=name, occurrence=occ, parent=self.stack[-1] if self.stack else -1)
         seen: set[int] = set()
-        for t in _tensors((args, kwargs)):
+        for t in tensors_in((args, kwargs)):
             key, n = _storage(t)
             if key is None or key in self.state or key in seen:
                 continue
@@ -176,7 +167,7 @@ class _Profiler(TorchDispatchMode):
             if call.name == name:
                 break
         seen: set[int] = set()
-        for t in _tensors(output):
+        for t in tensors_in(output):
             key, n = _storage(t)
             if key is not None and key not in self.state and key not in seen:
                 seen.add(key)
@@ -222,14 +213,14 @@ class _Profiler(TorchDispatchMode):
         schema = func._schema
         if "batch_norm" in func.overloadpacket.__name__:
             # native_batch_norm updates the running stats in place without declaring it in its schema
-            for t in _tensors(list(args)):
+            for t in tensors_in(list(args)):
                 if _storage(t)[0] in self.buffer_keys:
                     self._on_write(t)
         if schema.is_mutable:
             for i, arg in enumerate(schema.arguments):
                 if arg.alias_info is None or not arg.alias_info.is_write:
                     continue
-                for t in _tensors(args[i] if i < len(args) else kwargs.get(arg.name)):
+                for t in tensors_in(args[i] if i < len(args) else kwargs.get(arg.name)):
                     self._on_write(t)
         return func(*args, **kwargs)
 
@@ -256,138 +247,6 @@ class _Profiler(TorchDispatchMode):
 
 # torch's own bookkeeping in a module's __dict__ (parameters, buffers, submodules, hooks): not the user's state, and
 # the profile's hooks come and go there by their handles.
-_MODULE_INTERNALS = frozenset(nn.Module().__dict__) - {"training"}
-_MISSING = object()
-
-
-class _UserState:
-    """The Python state of every module, taken before a profiling pass and put back after it.
-
-    training_step runs once more for the profile; whatever it does to the modules must not show afterwards (a
-    counter, a list it appends to, a torchmetrics metric it updates, a mask it caches, possibly a fake one):
-
-    - each module's ``__dict__`` entries (torch's internals aside) and its buffer slots: attributes and buffers
-      added during the pass are removed, rebound ones put back (buffers' values are the profiler's to restore);
-    - builtin containers reachable from them (list, dict, set, tuple; recursively): their contents are copied and
-      written back into the same objects, so appends are undone;
-    - tensors reachable from them that are not parameters or buffers: cloned and copied back into the same
-      tensor objects, so in-place updates (a metric's state) are undone; ``torch.Generator`` states too.
-
-    Other objects are kept by reference and never copied: a module holds its trainer, loggers, datamodule...
-    """
-
-    def __init__(self, root: nn.Module) -> None:
-        resident = {id(t) for t in (*root.parameters(), *root.buffers())}
-        self.dicts = [(m, {k: v for k, v in m.__dict__.items() if k not in _MODULE_INTERNALS}) for m in root.modules()]
-        # a buffer rebound or registered in the step (a cached mask) is a slot in _buffers, not in __dict__
-        self.containers: list[tuple[Any, list]] = [
-            (c, list(c.items()) if isinstance(c, dict) else list(c))
-            for m in root.modules() for c in (m._buffers, m._non_persistent_buffers_set)
-        ]
-        self.tensors: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.generators: list[tuple[torch.Generator, torch.Tensor]] = []
-        seen: set[int] = set(resident)
-        todo = [v for _, d in self.dicts for v in d.values()]
-        while todo:
-            obj = todo.pop()
-            if id(obj) in seen:
-                continue
-            if isinstance(obj, torch.Tensor):
-                seen.add(id(obj))
-                if isinstance(obj, nn.Parameter) or obj.is_meta:
-                    continue
-                with torch.no_grad():
-                    self.tensors.append((obj, obj.detach().clone()))
-            elif isinstance(obj, torch.Generator):
-                seen.add(id(obj))
-                self.generators.append((obj, obj.get_state()))
-            elif isinstance(obj, (list, tuple, set, frozenset, dict)):
-                seen.add(id(obj))
-                items = list(obj.items()) if isinstance(obj, dict) else list(obj)
-                if not isinstance(obj, (tuple, frozenset)):
-                    self.containers.append((obj, items))
-                todo.extend(obj.values() if isinstance(obj, dict) else items)
-
-    @property
-    def attributes(self) -> list[torch.Tensor]:
-        return [t for t, _ in self.tensors]
-
-    def restore(self) -> None:
-        for module, saved in self.dicts:
-            d = module.__dict__
-            for k in [k for k in d if k not in _MODULE_INTERNALS and k not in saved]:
-                del d[k]
-            for k, v in saved.items():
-                if d.get(k, _MISSING) is not v:
-                    d[k] = v
-        for obj, items in self.containers:
-            if isinstance(obj, list):
-                obj[:] = items
-            else:
-                obj.clear()
-                obj.update(items)
-        with torch.no_grad():
-            for t, saved in self.tensors:
-                if t.shape != saved.shape or t.dtype != saved.dtype:
-                    t.data = saved  # resized or retyped in place: take the saved one whole
-                elif not torch.equal(t, saved):
-                    t.copy_(saved)
-        for g, state in self.generators:
-            g.set_state(state)
-
-
-def ensure_real(obj: Any, where: str) -> None:
-    """Raise when ``obj`` holds a fake or meta tensor: one must never reach Lightning or a user's callback."""
-    for t in _tensors(obj):
-        if isinstance(t, FakeTensor) or t.is_meta:
-            kind = "FakeTensor" if isinstance(t, FakeTensor) else "meta tensor"
-            raise RuntimeError(
-                f"{where} returned a {kind} (shape {tuple(t.shape)}): the sharding profile's fake pass left it in"
-                " state it did not restore (a global, an object outside the modules). Pass"
-                " ShardingConfig(profile='real') to profile on real tensors, or keep that state on the module"
-            )
-
-
-class _Silent:
-    """Stands in for optimizers and schedulers during the pass: every method is a no-op and a context."""
-
-    def __getattr__(self, name: str) -> Any:
-        return self
-
-    def __call__(self, *args: Any, **kwargs: Any) -> "_Silent":
-        return self
-
-    def __enter__(self) -> "_Silent":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
-
-
-@contextmanager
-def _silenced(module: nn.Module) -> Iterator[None]:
-    """Patch the instance so that logging, backward and optimizer calls made in training_step do nothing."""
-    names = ["log", "log_dict"]
-    if getattr(module, "automatic_optimization", True) is False:
-        names += ["manual_backward", "toggle_optimizer", "untoggle_optimizer", "clip_gradients"]
-    saved = {n: module.__dict__[n] for n in names + ["optimizers", "lr_schedulers"] if n in module.__dict__}
-    silent = _Silent()
-    for n in names:
-        if hasattr(module, n):
-            object.__setattr__(module, n, silent)
-    if getattr(module, "automatic_optimization", True) is False:
-        trainer = getattr(module, "_trainer", None)
-        n_opt = len(trainer.optimizers) if trainer is not None else 1
-        object.__setattr__(module, "optimizers", lambda *a, **k: silent if n_opt <= 1 else [silent] * n_opt)
-        object.__setattr__(module, "lr_schedulers", lambda *a, **k: silent)
-    try:
-        yield
-    finally:
-        for n in names + ["optimizers", "lr_schedulers"]:
-            module.__dict__.pop(n, None)
-        module.__dict__.update(saved)
-
-
 def _takes_batch_idx(fn: Any) -> bool:
     try:
         params = list(inspect.signature(fn).parameters.values())
@@ -407,7 +266,7 @@ def _run(module: nn.Module, batch: Any, batch_idx: int) -> Any:
 def _profile_once(module: nn.Module, batch: Any, batch_idx: int, fake: bool) -> tuple[_Profiler, int]:
     flop_mode = FlopCounterMode(display=False)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
-    user = _UserState(module)  # before the profiler's own hooks, and before fake mode: real clones
+    user = UserState(module)  # before the profiler's own hooks, and before fake mode: real clones
     prof = _Profiler(module, fake_mode, flop_mode, user.attributes)
     handles = []
     # The root too: training_step is the top of the tree, and a call of the root's own forward is one call in it.
@@ -416,7 +275,7 @@ def _profile_once(module: nn.Module, batch: Any, batch_idx: int, fake: bool) -> 
         handles.append(m.register_forward_hook(prof.post, with_kwargs=True, always_call=True))
     rng = torch.get_rng_state()
     try:
-        with torch.enable_grad(), _silenced(module):
+        with torch.enable_grad(), silenced(module):
             if fake_mode is not None:
                 fake_mode.__enter__()
             try:
@@ -438,7 +297,7 @@ def _profile_once(module: nn.Module, batch: Any, batch_idx: int, fake: bool) -> 
 
 def _slice_batch(batch: Any, fraction: float) -> tuple[Any, float]:
     """The first ``fraction`` of the samples (leading dim shared by the batch's tensors), copied, and the scale."""
-    sizes = {t.shape[0] for t in _tensors(batch) if t.dim() > 0}
+    sizes = {t.shape[0] for t in tensors_in(batch) if t.dim() > 0}
     if len(sizes) != 1:
         return batch, 1.0  # no common leading dimension: run the whole batch
     full = sizes.pop()
@@ -461,8 +320,7 @@ def profile_step(
     module: nn.Module, batch: Any, batch_idx: int = 0, mode: str = "auto", batch_fraction: float = 0.25
 ) -> Profile:
     """Profile one ``training_step`` (or ``forward`` for a plain module) of ``module`` on ``batch``."""
-    if mode not in ("auto", "fake", "real"):
-        raise ValueError(f"mode={mode!r}: allowed are 'auto', 'fake', 'real'")
+    check_one_of("profile_step", "mode", mode, ("auto", "fake", "real"))
     note, scale = "", 1.0
     prof = None
     if mode in ("auto", "fake"):
@@ -512,4 +370,4 @@ def _param_sizes(module: nn.Module) -> tuple[int, int]:
     return total, pending
 
 
-__all__ = ["Call", "Profile", "ensure_real", "profile_step"]
+__all__ = ["Call", "Profile", "profile_step"]

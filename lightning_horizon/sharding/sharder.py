@@ -24,18 +24,21 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
+from lightning_horizon.checks import check_int, is_int, require
 from lightning_horizon.memory.estimate import optimizer_state_pending
 from lightning_horizon.memory.probe import GLIBC_HINT, current_rss, fmt_bytes, peak_rss, reset_peak_rss
+from lightning_horizon.parts import Part
 from lightning_horizon.sharding.config import ShardingConfig, allocator_overhead, resolve_budget, resolve_sharding
 from lightning_horizon.sharding.executor import Installed, RecomputeContext, install
 from lightning_horizon.sharding.plan import InfeasibleBudgetError, ShardPlan, evaluate, make_plan
-from lightning_horizon.sharding.profile import Profile, ensure_real, profile_step
+from lightning_horizon.sharding.isolation import ensure_real
+from lightning_horizon.sharding.profile import Profile, profile_step
 
 log = logging.getLogger(__name__)
 _STATE_VERSION = 1
 
 
-class GraphSharder:
+class GraphSharder(Part):
     """Memory-budgeted activation recompute for one module, planned from its profiled step.
 
     Args:
@@ -64,8 +67,7 @@ class GraphSharder:
             )
         self.recompute_context = recompute_context
         self.config = resolve_sharding("auto" if config is None else config)
-        if isinstance(local_world_size, bool) or not isinstance(local_world_size, int) or local_world_size < 1:
-            raise ValueError(f"local_world_size={local_world_size!r}: must be an int >= 1 (ranks on this node)")
+        check_int("GraphSharder", "local_world_size", local_world_size, 1, " (ranks on this node)")
         self.local_world_size = local_world_size
         self.rank = rank
         self._optimizers = optimizers
@@ -166,8 +168,7 @@ class GraphSharder:
         """Change the budget (bytes) during training. When the current plan no longer fits under ``headroom`` of
         it, the next step boundary re-plans with more recompute (True); otherwise the plan stays (False). An
         ``auto`` or fractional budget goes on following the node's free memory from there."""
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
-            raise ValueError(f"budget={budget!r}: must be an int > 0 (bytes)")
+        require(is_int(budget, 1), "GraphSharder.set_budget", "budget", budget, "an int > 0 (bytes)")
         old, self.budget = self.budget, budget
         self._low_steps, self._low_ratio = 0, 0.0
         if self.plan is None:
@@ -203,6 +204,10 @@ class GraphSharder:
     def after_optimizer_step(self) -> None:
         """HorizonStrategy's part hook, called after every optimizer step."""
         self.after_step()
+
+    def teardown(self) -> None:
+        """A part hook, at the end of a fit: :meth:`uninstall`."""
+        self.uninstall()
 
     def uninstall(self) -> None:
         """Restore every patched ``forward``: the module is exactly as before the first plan."""

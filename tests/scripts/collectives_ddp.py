@@ -135,8 +135,9 @@ def check_parity(checks: dict, groups: ProcessGroups, factory, bucket_mb: float,
             checks[f"error_feedback_{tag}_{name}"] = result(
                 err < 1e-5 and residual_max > 0, f"{iters[name]} iterations: {detail}")
         if cfg["algorithm"] == "auto" and tag == "odd":
-            checks[f"auto_choices_{tag}"] = result({a for a, _ in sync._choices.values()} == {"flat", "hierarchical"},
-                                                   f"auto chose {sync._choices}")
+            chose = sync.planner.choices
+            checks[f"auto_choices_{tag}"] = result({a for a, _ in chose.values()} == {"flat", "hierarchical"},
+                                                   f"auto chose {chose}")
         checks[f"bitwise_{tag}_{name}"] = result(same_on_all_ranks(torch.stack(history[name])),
                                                   f"gradients bitwise equal on all ranks, all {iters[name]} iterations")
         checks[f"accounting_{tag}_{name}"] = check_bytes(sync, cfg, sizes[name], step_bytes[name])
@@ -188,7 +189,7 @@ def check_bytes(sync: GradientSync, cfg: dict, sizes: list[int], per_step: list[
     model = CostModel.coerce(AUTO_COSTS)
     expect_intra = expect_inter = 0.0
     for numel in sizes:
-        algorithm, chunk = sync.plan_for(numel)
+        algorithm, chunk = sync.planner.plan_for(numel)
         p = model.predict(algorithm, numel, WORLD // PER_NODE, PER_NODE, compression=cfg.get("compression"),
                           torus_cols=sync.torus_cols, int8_block=sync.config.int8_block,
                           chunk_numel=chunk)

@@ -64,12 +64,12 @@ class Observe(L.Callback):
         model = trainer.strategy.model
         if hasattr(model, "_get_ddp_logging_data"):
             self.info["comm_hook"] = model._get_ddp_logging_data().get("comm_hook")
-        part = getattr(trainer.strategy, "_parts", {}).get("collectives")
+        part = getattr(trainer.strategy, "gradient_sync", None)
         if part is not None:
             self.info["state_at_start"] = summarize(part.state_dict())
 
     def on_train_end(self, trainer, pl_module):
-        part = getattr(trainer.strategy, "_parts", {}).get("collectives")
+        part = getattr(trainer.strategy, "gradient_sync", None)
         if part is not None:
             self.info["state_at_end"] = summarize(part.state_dict())
             self.info["metrics"] = part.metrics()

@@ -131,7 +131,7 @@ def fit(run: dict, out: Path) -> None:
     loader = DataLoader(Features(run["samples"], nonfinite), batch_size=BATCH, shuffle=True)
     trainer.fit(model, loader, ckpt_path="last" if run.get("resume") else None)
     rank = trainer.global_rank
-    sync = strategy._parts.get("collectives")
+    sync = strategy.gradient_sync
     info = {
         "rank": rank, "world": trainer.world_size, "global_step": trainer.global_step, "rows": model.rows,
         "skipped": backoff.skipped_steps, "cuts": sync.layout.cuts if sync is not None else None,

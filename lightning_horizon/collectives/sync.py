@@ -1,4 +1,4 @@
-"""DDP comm hooks: the state object DDP hands to every hook call, and the hook functions themselves.
+"""Gradient sync: ``GradientSync``, the state object DDP hands to every comm hook call, and the hook functions.
 
 ``GradientSync`` is built on every rank at the same point (it may create process groups and, for ``auto``,
 probe the links, both collective), registered with ``ddp.register_comm_hook(sync, sync.hook)``, and called by
@@ -24,10 +24,11 @@ from lightning_horizon.collectives.accounting import CommAccounting
 from lightning_horizon.collectives.comm import Comm
 from lightning_horizon.collectives.compression import Codec, ErrorFeedback
 from lightning_horizon.collectives.config import CollectivesConfig
-from lightning_horizon.collectives.cost_model import CostModel
+from lightning_horizon.collectives.cost_model import BucketPlanner
 from lightning_horizon.collectives.layout import BucketLayout
 from lightning_horizon.collectives.local_sgd import PeriodicSync
 from lightning_horizon.collectives.probe import probe
+from lightning_horizon.parts import Part
 from lightning_horizon.state import TrainingState
 from lightning_horizon.topology import ProcessGroups
 
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 LOG_EVERY_N_STEPS = 100
 
 
-class GradientSync:
+class GradientSync(Part):
     """Everything the comm hooks need: groups, algorithm choice, error feedback, local SGD, accounting."""
 
     def __init__(
@@ -82,15 +83,16 @@ class GradientSync:
             p.register_post_accumulate_grad_hook(lambda p, n=n: self._ready.append(n)) for n, p in named
         ]
 
-        self.cost_model: Optional[CostModel] = None
-        self._choices: dict[int, tuple[str, int]] = {}
+        cost_model = None
         if config.algorithm == "auto":
-            self.cost_model = config.cost_model
+            cost_model = config.cost_model
             source = "given"
-            if self.cost_model is None:
-                self.cost_model = probe(groups)
+            if cost_model is None:
+                cost_model = probe(groups)
                 source = "probed"
-            self._info(f"collectives auto: {source} links: {self.cost_model.describe()}")
+            self._info(f"collectives auto: {source} links: {cost_model.describe()}")
+        #: which algorithm (and pipeline chunk) reduces each bucket size
+        self.planner = BucketPlanner(config, topo.num_nodes, per_node, self.torus_cols, cost_model, info=self._info)
         self._info(
             f"collectives: {config.algorithm} on {topo.num_nodes} node(s) x {per_node} rank(s)"
             + (f", torus {self.torus_cols} x {world // self.torus_cols}" if config.algorithm == "torus2d" else "")
@@ -105,32 +107,6 @@ class GradientSync:
         if self.periodic is not None:
             return local_sgd_hook
         return HOOKS[self.config.algorithm]
-
-    def plan_for(self, numel: int) -> tuple[str, int]:
-        """``(algorithm, pipeline chunk in elements)`` for a bucket of ``numel`` elements.
-
-        ``auto`` asks the cost model, once per bucket size; it may also leave a bucket in one piece, since every
-        chunk pays every stage's latency again (a ring across 256 nodes has 510 steps).
-        """
-        chunk = self.config.chunk_numel
-        if self.config.algorithm != "auto":
-            return self.config.algorithm, chunk
-        if numel not in self._choices:
-            topo = self.topology
-            two_level = [("hierarchical", topo.ranks_per_node)]
-            if self.torus_cols not in (topo.ranks_per_node, topo.world_size):
-                two_level.append(("torus2d", self.torus_cols))
-            candidates = [("flat", topo.world_size, numel)]
-            candidates += [(a, cols, c) for a, cols in two_level for c in dict.fromkeys((chunk, numel))]
-            assert self.cost_model is not None
-            algorithm, _, chunk = self.cost_model.choose(
-                numel, topo.num_nodes, topo.ranks_per_node, candidates,
-                compression=self.config.compression, int8_block=self.config.int8_block,
-            )
-            self._choices[numel] = (algorithm, chunk)
-            pieces = f" in chunks of {chunk * 4 / 2**20:.3f} MiB" if algorithm != "flat" and chunk < numel else ""
-            self._info(f"collectives auto: buckets of {numel * 4 / 2**20:.3f} MiB -> {algorithm}{pieces}")
-        return self._choices[numel]
 
     def reduce(self, bucket: dist.GradBucket) -> torch.futures.Future:
         """Average the bucket's gradients over the world (or over the node between local-SGD averages).
@@ -160,7 +136,7 @@ class GradientSync:
                 algorithms.flat(buf, self.intra, None, self.intra.size)
                 self.accounting.add_seconds(time.perf_counter() - start)
                 return _completed(buf)
-        algorithm, chunk = self.plan_for(buf.numel())
+        algorithm, chunk = self.planner.plan_for(buf.numel())
         if algorithm == "flat" and self.codec is None and not algorithms.narrow(buf):
             return self._flat_overlapped(buf)
         start = time.perf_counter()
@@ -232,6 +208,10 @@ class GradientSync:
         if self.periodic is not None:
             out["comm/param_syncs"] = float(self.periodic.syncs)
         return out
+
+    def before_save(self, model: Any) -> None:
+        """A part hook: before a checkpoint is written, on every rank."""
+        self.settle_layout(model)
 
     def settle_layout(self, ddp: Any) -> None:
         """Before a checkpoint: make sure the layout saved is the one the next step reduces in.

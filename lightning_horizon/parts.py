@@ -1,0 +1,125 @@
+"""The parts contract: what HorizonStrategy calls on each of its parts, and the registry that keeps them.
+
+A part is one capability's per-rank runtime object: the RNG state, the gradient sync, the graph sharder. The
+strategy never probes a part with ``hasattr``: every part implements :class:`Part` (subclass it for the no-op
+defaults), and :class:`Parts` calls each hook on every part, in the order they were added, and owns the saving
+and restoring of their per-rank state (the strategy gathers it to rank 0 under one checkpoint key).
+
+Lifecycle, as HorizonStrategy drives it:
+
+- ``after_setup()``: the end of ``Strategy.setup``, once every part exists and has its saved state.
+- ``after_optimizer_step()``: after every optimizer step (accounting, local SGD's periodic average, re-plans).
+- ``before_save(model)``: on every rank before a checkpoint is written (collective work such as settling DDP's
+  bucket layout happens here, on all ranks alike).
+- ``state_dict()`` / ``load_state_dict(state)``: the part's per-rank state.
+- ``teardown()``: the end of the fit; the module leaves as it came in.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Optional, Protocol, runtime_checkable
+
+from torch import nn
+
+
+@runtime_checkable
+class PartProtocol(Protocol):
+    def after_setup(self) -> None: ...
+
+    def after_optimizer_step(self) -> None: ...
+
+    def before_save(self, model: nn.Module) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def teardown(self) -> None: ...
+
+
+class Part:
+    """Base class of a strategy part: every hook a no-op, no state. Override what the part needs."""
+
+    def after_setup(self) -> None:
+        pass
+
+    def after_optimizer_step(self) -> None:
+        pass
+
+    def before_save(self, model: nn.Module) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    def teardown(self) -> None:
+        pass
+
+
+class Parts:
+    """The strategy's parts by name, and their saved state waiting for the part that will take it."""
+
+    def __init__(self) -> None:
+        self._parts: dict[str, PartProtocol] = {}
+        self._saved: dict[str, Any] = {}  # this rank's saved states not yet handed to a part
+
+    def add(self, name: str, part: PartProtocol) -> PartProtocol:
+        """Register ``part`` (replacing one of the same name); it gets its saved state now if one is waiting."""
+        if not isinstance(part, PartProtocol):
+            missing = [m for m in _HOOKS if not callable(getattr(part, m, None))]
+            raise TypeError(
+                f"part {name!r}={type(part).__name__}: a strategy part implements {', '.join(_HOOKS)};"
+                f" missing {', '.join(missing)} (subclass lightning_horizon.parts.Part for no-op defaults)"
+            )
+        self._parts[name] = part
+        if name in self._saved:
+            part.load_state_dict(self._saved.pop(name))
+        return part
+
+    def get(self, name: str) -> Optional[Any]:
+        return self._parts.get(name)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._parts
+
+    def __iter__(self) -> Iterator[PartProtocol]:
+        return iter(list(self._parts.values()))
+
+    # ------------------------------------------------------------------ hooks
+
+    def after_setup(self) -> None:
+        for part in self:
+            part.after_setup()
+        self._saved = {}  # a state whose part this run does not create is not kept for a later fit
+
+    def after_optimizer_step(self) -> None:
+        for part in self:
+            part.after_optimizer_step()
+
+    def before_save(self, model: nn.Module) -> None:
+        for part in self:
+            part.before_save(model)
+
+    def teardown(self) -> None:
+        for part in self:
+            part.teardown()
+
+    # ------------------------------------------------------------------ state
+
+    def state_dicts(self) -> dict[str, Any]:
+        return {name: part.state_dict() for name, part in self._parts.items()}
+
+    def load_state_dicts(self, states: dict[str, Any]) -> None:
+        """Hand each saved state to its part: now if it exists, else when it is added."""
+        self._saved = dict(states)
+        for name, part in self._parts.items():
+            if name in self._saved:
+                part.load_state_dict(self._saved.pop(name))
+
+
+_HOOKS = ("after_setup", "after_optimizer_step", "before_save", "state_dict", "load_state_dict", "teardown")
+
+__all__ = ["Part", "PartProtocol", "Parts"]

@@ -1,0 +1,92 @@
+"""HorizonStrategy's arguments, checked in the Trainer's constructor: before a launcher starts a process or a group.
+
+Besides its own arguments, the strategy hands extra keywords on to DDPStrategy and DistributedDataParallel; they
+are checked by name here too, since a misspelt one would otherwise fail in DDP's constructor, after every
+process has started.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from datetime import timedelta
+from typing import Any
+
+from lightning.fabric.plugins import CheckpointIO
+from lightning.pytorch.strategies import DDPStrategy
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_horizon.checks import check_one_of, is_int, is_number, require
+from lightning_horizon.topology import check_ranks_per_node
+
+OWNER = "HorizonStrategy"
+BACKENDS = ("gloo", "ccl", "mpi", "nccl")
+START_METHODS = ("popen", "spawn", "fork", "forkserver")
+
+
+def ccl_available() -> bool:
+    """True when oneCCL's torch binding imports (importing it registers the ``ccl`` backend)."""
+    try:
+        importlib.import_module("oneccl_bindings_for_pytorch")
+        return True
+    except Exception:  # ImportError, or a binding built for another torch
+        return False
+
+
+def check_arguments(
+    *,
+    ranks_per_node: Any,
+    bucket_size_mb: Any,
+    timeout: Any,
+    process_group_backend: Any,
+    pin_cores: Any,
+    threads_per_rank: Any,
+    checkpoint_io: Any,
+    collectives_changed: bool,
+    collectives: Any,
+    kwargs: dict[str, Any],
+    named: set[str],
+) -> float:
+    """Raise ValueError for the first bad argument; return the timeout in seconds. ``named``: the strategy's own
+    parameter names (never extra keywords); ``collectives_changed``: a collectives option is not at its default."""
+    check_ranks_per_node(ranks_per_node)
+    if kwargs.get("ddp_comm_hook") is not None and collectives_changed:
+        raise ValueError(
+            f"ddp_comm_hook={kwargs['ddp_comm_hook']!r} with collectives={collectives!r}: give either your own"
+            " hook or the collectives options, not both"
+        )
+    require(is_number(bucket_size_mb, 0), OWNER, "bucket_size_mb", bucket_size_mb,
+            "a finite number > 0 (MiB per DDP bucket)")
+    if "bucket_cap_mb" in kwargs:
+        value = kwargs["bucket_cap_mb"]
+        raise ValueError(f"bucket_cap_mb={value!r}: not accepted; pass bucket_size_mb= (same meaning, MiB > 0)")
+    check_ddp_kwargs(kwargs, named)
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+    require(is_number(seconds, 0), OWNER, "timeout", timeout, "a finite number of seconds > 0, or a timedelta")
+    require(isinstance(pin_cores, bool), OWNER, "pin_cores", pin_cores, "True or False")
+    require(checkpoint_io is None or isinstance(checkpoint_io, CheckpointIO), OWNER, "checkpoint_io", checkpoint_io,
+            "a lightning CheckpointIO or None (atomic)")
+    require(process_group_backend is None or process_group_backend in BACKENDS, OWNER, "process_group_backend",
+            process_group_backend, f"one of {BACKENDS} or None (auto)")
+    require(threads_per_rank is None or is_int(threads_per_rank, 1), OWNER, "threads_per_rank", threads_per_rank,
+            "an int >= 1 or None (one per core)")
+    return float(seconds)
+
+
+def check_ddp_kwargs(kwargs: dict[str, Any], named: set[str]) -> None:
+    """The keywords handed on to DDPStrategy and DistributedDataParallel, checked by name."""
+    if "start_method" in kwargs:
+        check_one_of(OWNER, "start_method", kwargs["start_method"], START_METHODS)
+    known = set(inspect.signature(DDPStrategy.__init__).parameters)
+    known |= set(inspect.signature(DistributedDataParallel.__init__).parameters)
+    known -= named  # the strategy's own parameters are never extra keywords
+    known -= {"module", "device_ids", "bucket_cap_mb"}  # the strategy passes these itself
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise ValueError(
+            f"{unknown[0]}={kwargs[unknown[0]]!r}: not a HorizonStrategy, DDPStrategy or DistributedDataParallel"
+            f" argument; allowed extra keywords are {sorted(known)}"
+        )
+
+
+__all__ = ["BACKENDS", "START_METHODS", "ccl_available", "check_arguments", "check_ddp_kwargs"]

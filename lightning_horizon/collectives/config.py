@@ -10,6 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from lightning_horizon.checks import check_int, check_one_of, is_int, is_number, require
+
+_OWNER = "HorizonStrategy"  # the strategy's arguments of the same names reach this config
+
 ALGORITHMS = ("flat", "hierarchical", "torus2d", "auto")
 COMPRESSIONS = (None, "bf16", "int8")
 
@@ -54,16 +58,13 @@ class CollectivesConfig:
     of one chunk run while another crosses the nodes. Smaller chunks overlap more and pay more latency."""
 
     def __post_init__(self) -> None:
-        if self.algorithm not in ALGORITHMS:
-            raise ValueError(f"collectives={self.algorithm!r}: allowed are {ALGORITHMS}")
-        if self.compression not in COMPRESSIONS:
-            raise ValueError(f"compression={self.compression!r}: allowed are {COMPRESSIONS}")
-        _positive_int("sync_every", self.sync_every, minimum=1)
-        _positive_int("sync_warmup_steps", self.sync_warmup_steps, minimum=0)
-        _positive_int("int8_block", self.int8_block, minimum=1)
-        chunk = self.pipeline_chunk_mb
-        if isinstance(chunk, bool) or not isinstance(chunk, (int, float)) or not 0 < chunk < float("inf"):
-            raise ValueError(f"pipeline_chunk_mb={chunk!r}: must be a finite number > 0 (MiB)")
+        check_one_of(_OWNER, "collectives", self.algorithm, ALGORITHMS)
+        check_one_of(_OWNER, "compression", self.compression, COMPRESSIONS)
+        check_int(_OWNER, "sync_every", self.sync_every, 1)
+        check_int(_OWNER, "sync_warmup_steps", self.sync_warmup_steps, 0)
+        check_int("CollectivesConfig", "int8_block", self.int8_block, 1)
+        require(is_number(self.pipeline_chunk_mb, 0), "CollectivesConfig", "pipeline_chunk_mb", self.pipeline_chunk_mb,
+                "a finite number > 0 (MiB)")
         if self.sync_every > 1 and self.compression is not None:
             raise ValueError(
                 f"compression={self.compression!r} with sync_every={self.sync_every}: compression applies to the"
@@ -75,7 +76,7 @@ class CollectivesConfig:
             if (
                 not isinstance(shape, (tuple, list))
                 or len(shape) != 2
-                or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in shape)
+                or not all(is_int(v, 1) for v in shape)
             ):
                 raise ValueError(f"torus_shape={shape!r}: allowed is None or a pair (X, Y) of positive ints")
             if self.algorithm not in ("torus2d", "auto"):
@@ -106,8 +107,3 @@ class CollectivesConfig:
     def chunk_numel(self) -> int:
         """``pipeline_chunk_mb`` in fp32 elements."""
         return max(1, int(self.pipeline_chunk_mb * 2**20) // 4)
-
-
-def _positive_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}={value!r}: must be an int >= {minimum}")

@@ -35,17 +35,17 @@ SCRIPTS = REPO / "tests" / "scripts"
 @pytest.mark.parametrize(
     "kwargs, name, allowed",
     [
-        ({"algorithm": "ring"}, "collectives='ring'", "allowed are ('flat', 'hierarchical', 'torus2d', 'auto')"),
-        ({"compression": "fp8"}, "compression='fp8'", "allowed are (None, 'bf16', 'int8')"),
-        ({"sync_every": 0}, "sync_every=0", "must be an int >= 1"),
-        ({"sync_every": 2.0}, "sync_every=2.0", "must be an int >= 1"),
-        ({"sync_warmup_steps": -1}, "sync_warmup_steps=-1", "must be an int >= 0"),
+        ({"algorithm": "ring"}, "collectives='ring'", "allowed is one of ('flat', 'hierarchical', 'torus2d', 'auto')"),
+        ({"compression": "fp8"}, "compression='fp8'", "allowed is one of (None, 'bf16', 'int8')"),
+        ({"sync_every": 0}, "sync_every=0", "allowed is an int >= 1"),
+        ({"sync_every": 2.0}, "sync_every=2.0", "allowed is an int >= 1"),
+        ({"sync_warmup_steps": -1}, "sync_warmup_steps=-1", "allowed is an int >= 0"),
         ({"algorithm": "torus2d", "torus_shape": (4,)}, "torus_shape=(4,)", "allowed is None or a pair"),
         ({"algorithm": "torus2d", "torus_shape": (0, 4)}, "torus_shape=(0, 4)", "allowed is None or a pair"),
         ({"algorithm": "flat", "torus_shape": (2, 2)}, "torus_shape=(2, 2)", "collectives='torus2d' or 'auto'"),
         ({"compression": "int8", "sync_every": 2}, "compression='int8'", "allowed is compression=None"),
         ({"algorithm": "auto", "cost_model": {"intra": 1}}, "cost_model=", "allowed is a CostModel"),
-        ({"int8_block": 0}, "int8_block=0", "must be an int >= 1"),
+        ({"int8_block": 0}, "int8_block=0", "allowed is an int >= 1"),
     ],
 )
 def test_bad_config_names_parameter_value_and_allowed(kwargs, name, allowed):

@@ -8,7 +8,9 @@ and restoring of their per-rank state (the strategy gathers it to rank 0 under o
 Lifecycle, as HorizonStrategy drives it:
 
 - ``after_setup()``: the end of ``Strategy.setup``, once every part exists and has its saved state.
-- ``after_optimizer_step()``: after every optimizer step (accounting, local SGD's periodic average, re-plans).
+- ``after_optimizer_step()``: after the optimizer step of every batch that steps (accounting, local SGD's
+  periodic average, re-plans); in manual optimization once per batch, after ``training_step`` and so after
+  all of its optimizer steps.
 - ``before_save(model)``: on every rank before a checkpoint is written (collective work such as settling DDP's
   bucket layout happens here, on all ranks alike).
 - ``state_dict()`` / ``load_state_dict(state)``: the part's per-rank state.

@@ -27,16 +27,23 @@ class TrainingState:
     def __init__(self) -> None:
         self._masters: dict[Tensor, Tensor] = {}  # module parameter -> fp32 master
         self._compensation: dict[Tensor, Tensor] = {}  # module parameter -> bf16 Kahan compensation
+        self._param_of: dict[Tensor, Tensor] = {}  # fp32 master -> its module parameter
 
     # ------------------------------------------------------------------ registration (precision policies)
 
     def register_master(self, param: Tensor, master: Tensor) -> None:
         self._compensation.pop(param, None)
         self._masters[param] = master
+        self._param_of[master] = param
 
     def register_compensation(self, param: Tensor, compensation: Tensor) -> None:
         self._masters.pop(param, None)
         self._compensation[param] = compensation
+
+    def parameter_of(self, tensor: Tensor) -> Tensor:
+        """The module parameter ``tensor`` stands for: a master's parameter (masters stand in for their parameters
+        in the optimizer during its step), else ``tensor`` itself."""
+        return self._param_of.get(tensor, tensor)
 
     def master(self, param: Tensor) -> Optional[Tensor]:
         return self._masters.get(param)

@@ -316,7 +316,8 @@ class HorizonStrategy(DDPStrategy):
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self.parts.after_optimizer_step()
+        if self.lightning_module.automatic_optimization:
+            self.parts.after_optimizer_step()  # manual optimization: once per batch, in training_step
         return output
 
     @override
@@ -336,8 +337,15 @@ class HorizonStrategy(DDPStrategy):
             batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
             with self.precision_plugin.train_step_context():
                 sharder.maybe_plan(self.lightning_module, batch, batch_idx)
-            return sharder.check_output(super().training_step(*args, **kwargs))
-        return super().training_step(*args, **kwargs)
+        output = super().training_step(*args, **kwargs)
+        if sharder is not None:
+            sharder.check_output(output)
+        if not self.lightning_module.automatic_optimization:
+            # Manual optimization steps its optimizers inside training_step, possibly several (a GAN's two):
+            # the parts see the batch's steps once, after the last, so local SGD averages what every optimizer
+            # stepped (averaging after the first let the second step node-local gradients right after it).
+            self.parts.after_optimizer_step()
+        return output
 
     @override
     def teardown(self) -> None:

@@ -332,3 +332,22 @@ def test_backoff_skips_a_nan_step_under_int8_and_the_run_goes_on(fits):
         assert all(s["finite"] for s in steps) and all(math.isfinite(x) for x in ranks["int8_nan"]["losses"])
         residual = ranks["int8_nan"]["state_at_end"]["residual"]
         assert residual and all(math.isfinite(v) for sums in residual.values() for v in sums)
+
+
+def test_reduce_scatter_sums_bf16_in_fp32_and_float64_in_float64():
+    from lightning_horizon.collectives.comm import Comm
+
+    for dtype, want in ((torch.bfloat16, torch.float32), (torch.float32, torch.float32), (torch.float64, torch.float64)):
+        received = torch.tensor([[1.0, 2.0], [1e-9, 3.0]], dtype=dtype)
+        total = Comm.reduce_scatter_finish((None, received))
+        assert total.dtype == want
+    assert Comm.reduce_scatter_finish((None, torch.tensor([[1.0], [1e-12]], dtype=torch.float64))).item() == 1.0 + 1e-12
+
+
+def test_error_feedback_residuals_shrink_with_clipped_gradients():
+    """A clipped step used factor x its gradient: the residual it leaves is scaled alike, for its parameters only."""
+    a, b = torch.nn.Parameter(torch.zeros(6)), torch.nn.Parameter(torch.zeros(5))
+    ef = ErrorFeedback([("a", a), ("b", b)])
+    ef.scatter(Piece.contiguous([a, b]), torch.arange(11.0))
+    ef.scale([a], 0.5)
+    assert torch.equal(ef.residual["a"], torch.arange(6.0) / 2) and torch.equal(ef.residual["b"], torch.arange(6.0, 11))

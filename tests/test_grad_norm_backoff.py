@@ -345,3 +345,11 @@ def test_state_key_and_state_round_trip():
 def test_bad_input_raises_naming_the_parameter(kwargs, name):
     with pytest.raises(ValueError, match=rf"^GradNormBackoff\({name}=.*\): allowed is "):
         GradNormBackoff(**kwargs)
+
+
+def test_norm_of_float64_gradients_is_float64():
+    """precision="64-true" (the matrix's reference for summation order) has float64 gradients: measured in float64."""
+    p = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    p.grad = torch.tensor([3.0, 4.0, 1e-12], dtype=torch.float64)
+    norm = total_norm_fp32([p])
+    assert norm.dtype == torch.float64 and norm.item() == math.sqrt(25.0 + 1e-24)

@@ -238,7 +238,8 @@ class GradNormBackoff(Callback):
                            self.recover_after, step, old, st.scale)
 
         if self.max_norm is not None and clip_norm > self.max_norm:
-            clip_grads_(params, self.max_norm, torch.tensor(clip_norm, dtype=torch.float32))
+            factor = clip_grads_(params, self.max_norm, torch.tensor(clip_norm, dtype=torch.float32))
+            _scale_error_feedback(trainer, params, factor)
         self._apply_lr_scale(optimizer, st.scale)
         self._log(trainer, pl_module, idx, st)
 
@@ -344,6 +345,14 @@ class GradNormBackoff(Callback):
         for name, value in values.items():
             # values are identical on every rank already: no sync_dist
             pl_module.log(f"{self.log_prefix}{name}{suffix}", value, on_step=True, on_epoch=False, logger=True)
+
+
+def _scale_error_feedback(trainer: "pl.Trainer", params: list[Tensor], factor: float) -> None:
+    """Under compression with error feedback (HorizonStrategy), the clipped gradients' residuals shrink with them."""
+    strategy = trainer.strategy
+    sync = getattr(strategy, "gradient_sync", None)
+    if sync is not None:
+        sync.scale_error_feedback([strategy.training_state.parameter_of(p) for p in params], factor)
 
 
 def _node_of(trainer: "pl.Trainer") -> tuple[int, int]:

@@ -107,11 +107,12 @@ class Comm:
 
     @staticmethod
     def reduce_scatter_finish(started: tuple[Optional[Pending], torch.Tensor]) -> torch.Tensor:
-        """This member's 1/g slice of the group's sum, in fp32 (whatever the dtype on the wire)."""
+        """This member's 1/g slice of the group's sum, in fp32 or wider (a bf16 wire is summed in fp32, a float64
+        one in float64)."""
         work, received = started
         if work is not None:
             work.wait()
-        return received.sum(dim=0, dtype=torch.float32)
+        return received.sum(dim=0, dtype=torch.promote_types(received.dtype, torch.float32))
 
     def all_gather(self, out: torch.Tensor, tensor: torch.Tensor, async_op: bool = False) -> Optional[Pending]:
         """Concatenate every member's ``tensor`` into ``out`` in member order: ``tensor`` goes to every member.

@@ -106,6 +106,13 @@ class ErrorFeedback:
             else:
                 self.residual[name] = error[offset : offset + numel].view(self._shapes[name]).clone()
 
+    def scale(self, params: list[torch.Tensor], factor: float) -> None:
+        """Multiply the residuals of ``params`` by ``factor`` (their step's gradients were scaled by it)."""
+        for p in params:
+            name = self._names.get(id(p))
+            if name in self.residual:
+                self.residual[name].mul_(factor)
+
     def state_dict(self) -> dict:
         return {"residual": {k: v.clone() for k, v in self.residual.items()}}
 

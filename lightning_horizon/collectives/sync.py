@@ -209,6 +209,15 @@ class GradientSync(Part):
             out["comm/param_syncs"] = float(self.periodic.syncs)
         return out
 
+    def scale_error_feedback(self, params: list[torch.Tensor], factor: float) -> None:
+        """The step's reduced gradients of ``params`` were clipped by ``factor``: scale their compression residuals
+        alike. A residual is the part of the gradient compression could not send, replayed at the next step;
+        after clipping, the update used ``factor`` times the gradient, and a residual left at full size would
+        land a spike's whole quantization error on the next, healthy step (measured: a step after a 1e6x spike
+        had a gradient norm of 86 with bf16 and 772 with int8 compression, against 0.6 without)."""
+        if self.error_feedback is not None and factor != 1.0:
+            self.error_feedback.scale(params, factor)
+
     def before_save(self, model: Any) -> None:
         """A part hook: before a checkpoint is written, on every rank."""
         self.settle_layout(model)

@@ -23,7 +23,6 @@ class FP32MasterPolicy(Bf16TruePolicy):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._param_of: dict[Tensor, Tensor] = {}  # fp32 master -> bf16 module parameter (during a step only)
         self._load_hooked: "weakref.WeakSet[Optimizer]" = weakref.WeakSet()
 
     def describe(self) -> str:
@@ -51,8 +50,9 @@ class FP32MasterPolicy(Bf16TruePolicy):
             after_closure()  # the norm and the callbacks see the fp32 gradients the step uses
             out = optimizer.step(**kwargs)
             with torch.no_grad():
-                for m, p in self._param_of.items():
-                    if m.grad is not None:  # a param without grad was not stepped
+                for m in (m for group in optimizer.param_groups for m in group["params"]):
+                    p = self.training_state.parameter_of(m)
+                    if p is not m and m.grad is not None:  # a param without grad was not stepped
                         self.training_state.write(p, m)
             return out
         finally:
@@ -68,11 +68,9 @@ class FP32MasterPolicy(Bf16TruePolicy):
         state = self.training_state
         for group in optimizer.param_groups:
             for i, x in enumerate(group["params"]):
-                new = state.master(x) if to_masters else self._param_of.pop(x, None)
-                if new is None:
+                new = state.master(x) if to_masters else state.parameter_of(x)
+                if new is None or new is x:
                     continue
-                if to_masters:
-                    self._param_of[new] = x
                 if grads:
                     new.grad = None if x.grad is None else x.grad.detach().to(new.dtype)
                     x.grad = None

@@ -85,7 +85,7 @@ class TrainingState:
         param.copy_(value)
         comp = self._compensation.get(param)
         if comp is not None:
-            comp.copy_(value.float() - param.float())
+            comp.copy_(value - param)  # in fp32 (type promotion), rounded once into the compensation
 
     @torch.no_grad()
     def average(self, params: Iterable[Tensor], allreduce_mean: Callable[[Tensor], None]) -> None:

@@ -1,4 +1,4 @@
-"""Tokens/s, peak RSS and bytes per parameter of one GPT under each precision, interleaved in one process.
+"""Tokens/s, peak RSS and bytes per parameter of recipes/gpt.py's GPT under each precision, interleaved in one process.
 
     python recipes/bench_precision.py --threads 1                          # ~12M-param GPT, 3 rounds
     python recipes/bench_precision.py --dim 256 --heads 4 --layers 2 --rounds 1   # quicker
@@ -27,46 +27,26 @@ import sys
 import time
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 import lightning.pytorch as L
+from gpt import GPT, GPTConfig
 from lightning_horizon import cpu
 from lightning_horizon.memory.probe import current_rss, peak_rss, reset_peak_rss
 from lightning_horizon.memory import bytes_per_param, held_bytes
 from lightning_horizon.precision import HorizonPrecision
 
 
-class Block(nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
+class LitGPT(L.LightningModule):
+    """recipes/gpt.py's GPT (no dropout) on a batch of ``seq + 1`` tokens per row, AdamW."""
+
+    def __init__(self, vocab: int, dim: int, layers: int, heads: int, seq: int, attention: str = "sdpa") -> None:
         super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
-        self.fc, self.out = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in self.qkv(self.ln1(x)).split(C, 2))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C)
-        x = x + self.proj(y)
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
-
-
-class GPT(L.LightningModule):
-    def __init__(self, vocab: int, dim: int, layers: int, heads: int, seq: int) -> None:
-        super().__init__()
-        self.wte, self.wpe = nn.Embedding(vocab, dim), nn.Embedding(seq, dim)
-        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
-        self.ln = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, vocab, bias=False)
-        self.head.weight = self.wte.weight  # tied, as in GPT-2
+        self.net = GPT(GPTConfig(vocab_size=vocab, block_size=seq, n_layer=layers, n_head=heads, n_embd=dim,
+                                 dropout=0.0, attention=attention))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln(x))
+        return self.net(idx)
 
     def training_step(self, batch: torch.Tensor, _: int) -> torch.Tensor:
         logits = self(batch[:, :-1])
@@ -111,7 +91,7 @@ ANALYTIC = {"fp32 (32-true)": ("fp32", None), "lightning bf16-mixed": ("bf16-mix
 
 def run_one(name: str, args: argparse.Namespace, data: torch.Tensor) -> Probe:
     torch.manual_seed(0)
-    model = GPT(args.vocab, args.dim, args.layers, args.heads, args.seq)
+    model = LitGPT(args.vocab, args.dim, args.layers, args.heads, args.seq, args.attention)
     probe = Probe(args.warmup)
     trainer = L.Trainer(
         accelerator="cpu", devices=1, max_steps=args.warmup + args.steps, logger=False, enable_checkpointing=False,
@@ -142,6 +122,8 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=6)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--attention", choices=("sdpa", "manual", "auto"), default="sdpa",
+                    help="recipes/gpt.py's GPTConfig.attention (default sdpa: one kernel for every precision)")
     ap.add_argument("--steps", type=int, default=6, help="timed steps per config and round")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
@@ -170,7 +152,7 @@ def main() -> None:
     peaks = {}
     for name in args.configs:
         same = [f"--{k}={getattr(args, k)}" for k in ("vocab", "dim", "layers", "heads", "seq", "batch", "steps",
-                                                          "warmup", "threads")]
+                                                          "warmup", "threads", "attention")]
         out = subprocess.run([sys.executable, __file__, *same, f"--rss-of={name}"], capture_output=True, text=True,
                              check=True).stdout
         peaks[name] = int(out.split("RSS ")[-1].split()[0])

@@ -3,8 +3,9 @@
 usage: python recipes/bench_sharding.py [--steps 4] [--layers 6] [--seq 256] [--batch 8] [--allocator all] [--adaptive]
                                        [--fractions 0.4,0.6,1.0]
 
-A GPT whose attention is written out (its T x T scores make a few hundred MB of activations) trains for a few
-AdamW steps in a fresh process per configuration, so that each peak RSS is the process's own high-water mark:
+recipes/gpt.py's GPT with its attention written out (``attention="manual"``: its T x T scores make a few hundred MB
+of activations) trains for a few AdamW steps in a fresh process per configuration, so that each peak RSS is the
+process's own high-water mark:
 
 - ``plain``: no recompute;
 - ``per-block``: torch's ``apply_activation_checkpointing`` on every block (non-reentrant);
@@ -22,7 +23,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import math
 import os
 import subprocess
 import sys
@@ -30,8 +30,8 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch import nn
+
+from gpt import Block, GPTConfig, GPTWithLoss
 
 RETURNING = "glibc.malloc.mmap_threshold=1048576:glibc.malloc.hugetlb=1"
 JEMALLOC = "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"
@@ -42,43 +42,6 @@ ALLOCATORS = {
 }
 
 
-class Block(nn.Module):
-    def __init__(self, d: int, heads: int, dropout: float = 0.1) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-        self.drop = nn.Dropout(dropout)
-
-    def attn(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
-        att = att.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
-        return self.proj((self.drop(att) @ v).transpose(1, 2).reshape(b, t, d))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.ln1(x)))
-        return x + self.drop(self.out(F.gelu(self.fc(self.ln2(x)))))
-
-
-class GPT(nn.Module):
-    def __init__(self, vocab: int, d: int, heads: int, layers: int, seq: int) -> None:
-        super().__init__()
-        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(seq, d)
-        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
-        self.ln_f, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
-        self.head.weight = self.wte.weight
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        idx, targets = batch
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
-        for block in self.blocks:
-            x = block(x)
-        return F.cross_entropy(self.head(self.ln_f(x)).flatten(0, 1), targets.flatten())
-
-
 def run_one(cfg: dict) -> dict:
     """One configuration, in this (fresh) process."""
     from lightning_horizon.sharding import GraphSharder, ShardingConfig
@@ -86,7 +49,9 @@ def run_one(cfg: dict) -> dict:
 
     torch.manual_seed(0)
     torch.set_num_threads(cfg["threads"])
-    model = GPT(cfg["vocab"], cfg["d"], cfg["heads"], cfg["layers"], cfg["seq"])
+    # recipes/gpt.py's GPT with the attention written out: its T x T scores are the activations to plan around
+    model = GPTWithLoss(GPTConfig(vocab_size=cfg["vocab"], block_size=cfg["seq"], n_layer=cfg["layers"],
+                                  n_head=cfg["heads"], n_embd=cfg["d"], dropout=0.1, attention="manual"))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(1)
     shape = (cfg["batch"], cfg["seq"])

@@ -1,8 +1,10 @@
-"""A small GPT for the recipes and the benchmark: pre-norm blocks, one fused QKV projection, tanh-approximate GELU,
-tied input/output embeddings, ``F.scaled_dot_product_attention``.
+"""The one GPT of the project (recipes, benchmarks and tests): pre-norm blocks, one fused QKV projection,
+tanh-approximate GELU, tied input/output embeddings, ``F.scaled_dot_product_attention`` or the attention written out
+(``GPTConfig(attention="manual")``: its T x T scores are saved for backward, the large activations that graph
+sharding's tests and benchmark plan around).
 
 Plain ``torch.nn``: nothing here knows about Lightning, so the same module trains under any strategy or precision
-and the benchmark compares like with like.
+and the benchmarks compare like with like.
 """
 
 from __future__ import annotations
@@ -153,6 +155,19 @@ class GPT(nn.Module):
         """Parameters (the tied matrix counted once); without the position embedding by default, as GPT-2 counts."""
         n = sum(p.numel() for p in self.parameters())
         return n - self.wpe.weight.numel() if non_embedding else n
+
+
+class GPTWithLoss(GPT):
+    """The GPT with its next-token loss as ``training_step(batch, batch_idx)``, ``batch = (inputs, targets)``.
+
+    The step a LightningModule would have, for loops that call it without Lightning: graph sharding profiles a
+    model's ``training_step``, and the sharding benchmark and tests run it by hand. Module and parameter names are
+    the GPT's (``blocks.0.attn.qkv``, ...). The softmax runs in fp32 whatever the matmuls, as in pretrain_gpt.py.
+    """
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        idx, targets = batch
+        return F.cross_entropy(self(idx).float().flatten(0, 1), targets.flatten())
 
 
 def train_flops_per_token(cfg: GPTConfig, seq_len: int) -> float:

@@ -44,12 +44,12 @@ def test_memory_monitor_and_the_sharder_read_the_same_probe(monkeypatch):
 
     # ... and the figures agree: a spike the sharder measures is the peak the monitor logs, and the sharder's
     # reset after the step lowers the monitor's peak with it
-    from tests.scripts.sharding_models import TinyGPT
+    from tests.scripts.sharding_models import tiny_gpt
 
     if not reset_peak_rss():
         pytest.skip("this kernel does not let the RSS high-water mark be reset")
     torch.manual_seed(0)
-    model, batch = TinyGPT(layers=2), tuple(torch.randint(0, 64, (2, 4, 16)))
+    model, batch = tiny_gpt(layers=2), tuple(torch.randint(0, 64, (2, 4, 16)))
     sharder = GraphSharder(ShardingConfig(budget=1 << 40, allocator_overhead=1.0, adaptive=False))
     sharder.maybe_plan(model, batch, 0)
     model.training_step(batch, 0).backward()

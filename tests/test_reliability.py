@@ -27,6 +27,7 @@ from lightning_horizon.collectives.layout import BucketLayout, Piece
 from lightning_horizon.memory import AVAILABLE_MEMORY_ENV, current_rss
 from lightning_horizon.sharding import GraphSharder, ShardingConfig
 from tests.launch import REPO, run_script
+from tests.scripts.sharding_models import LitGPT, tiny_gpt
 
 # ---------------------------------------------------------------------- 4. bad parameters (docs/reliability.md)
 
@@ -299,26 +300,9 @@ def test_bucket_layout_cuts_ddps_first_bucket_into_the_saved_ones():
 # ---------------------------------------------------------------------- 5. memory pressure
 
 
-def _lit_gpt():
-    from tests.scripts.sharding_models import TinyGPT
-
-    class LitGPT(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = TinyGPT(layers=4, seq=128, dropout=0.1)
-
-        def training_step(self, batch, batch_idx):
-            return self.net.training_step(batch, batch_idx)
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-    return LitGPT()
-
-
 def _gpt_fit(sharding, callbacks=()):
     L.seed_everything(0, verbose=False)
-    model = _lit_gpt()
+    model = LitGPT()
     g = torch.Generator().manual_seed(0)
     x, y = torch.randint(0, 64, (64, 128), generator=g), torch.randint(0, 64, (64, 128), generator=g)
     # one thread, as conftest sets: the strategy would size the pool to the pinned cores, which crawls on a
@@ -363,10 +347,8 @@ def test_budget_lowered_during_training_replans_with_more_recompute():
 
 
 def test_auto_budget_follows_the_nodes_free_memory(monkeypatch):
-    from tests.scripts.sharding_models import TinyGPT
-
     torch.manual_seed(0)
-    model, batch = TinyGPT(layers=4), torch.randint(0, 64, (2, 8, 16))  # (inputs, targets): 8 x 16 tokens
+    model, batch = tiny_gpt(layers=4), torch.randint(0, 64, (2, 8, 16))  # (inputs, targets): 8 x 16 tokens
     monkeypatch.setenv(AVAILABLE_MEMORY_ENV, str(4 << 30))
     sharder = GraphSharder(ShardingConfig(budget=0.9, allocator_overhead=1.0))  # a fraction: follows free memory
     sharder.maybe_plan(model, tuple(batch), 0)

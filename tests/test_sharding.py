@@ -34,7 +34,7 @@ from lightning_horizon.sharding import (
     resolve_sharding,
 )
 from tests.launch import run_script
-from tests.scripts.sharding_models import Branchy, TinyGPT
+from tests.scripts.sharding_models import Branchy, LitGPT, tiny_gpt
 
 MODELS = Path(__file__).parent / "scripts" / "sharding_models.py"
 # RSS that follows the live tensors (see docs/sharding.md): the test checks the planner, not glibc's caching.
@@ -83,7 +83,7 @@ def assert_same_training(plain, sharded, batch, handle, steps=2):
 
 def test_gpt_gradients_match_with_dropout():
     torch.manual_seed(0)
-    plain = TinyGPT(layers=3, dropout=0.1)
+    plain = tiny_gpt(layers=3, dropout=0.1)
     sharded = copy.deepcopy(plain)
     _, plan = plan_at(sharded, gpt_batch(), 0.5)
     modes = {s.mode for s in plan.shards}
@@ -120,9 +120,9 @@ def test_branching_model_gradients_match(fraction):
 
 def test_state_dict_keys_unchanged_and_strict_load_into_plain_module():
     torch.manual_seed(0)
-    model = TinyGPT(layers=3)
-    users_own = model.h[1].forward  # an instance-level forward of the user's: must come back as it was
-    model.h[1].forward = users_own
+    model = tiny_gpt(layers=3)
+    users_own = model.blocks[1].forward  # an instance-level forward of the user's: must come back as it was
+    model.blocks[1].forward = users_own
     keys = list(model.state_dict())
     _, plan = plan_at(model, gpt_batch(), 0.5)
     handle = install(model, plan.recompute, plan.counted)
@@ -131,13 +131,13 @@ def test_state_dict_keys_unchanged_and_strict_load_into_plain_module():
     buf = io.BytesIO()
     torch.save(model.state_dict(), buf)
     buf.seek(0)
-    fresh = TinyGPT(layers=3)
+    fresh = tiny_gpt(layers=3)
     fresh.load_state_dict(torch.load(buf, weights_only=True), strict=True)
     for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
         assert torch.equal(a, b), name
     handle.remove()
-    assert model.h[1].__dict__["forward"] is users_own
-    assert all("forward" not in m.__dict__ for n, m in model.named_modules() if n != "h.1")
+    assert model.blocks[1].__dict__["forward"] is users_own
+    assert all("forward" not in m.__dict__ for n, m in model.named_modules() if n != "blocks.1")
 
 
 # ------------------------------------------------------------------ untraceable, data-dependent, manual steps
@@ -267,7 +267,7 @@ def test_resolve_sharding_argument():
 
 
 def test_infeasible_budget_states_the_smallest_feasible_one():
-    model = TinyGPT(layers=3)
+    model = tiny_gpt(layers=3)
     prof = profile_step(model, gpt_batch())
     fixed = 10 << 20
     with pytest.raises(InfeasibleBudgetError, match=r"needs a budget of at least (\d+) bytes") as info:
@@ -299,7 +299,7 @@ def _probe(model, batch):
 
 def test_whole_step_within_budget_recomputes_nothing_until_a_step_exceeds_it_by_the_margin(caplog):
     torch.manual_seed(0)
-    model, batch = TinyGPT(layers=4), gpt_batch(16, 64)
+    model, batch = tiny_gpt(layers=4, seq=64), gpt_batch(16, 64)
     fixed, act = _probe(model, batch)
     budget = int((fixed + act) / 0.97)  # the plain step's estimated peak is 97% of it: above headroom 95%
     sharder = GraphSharder(ShardingConfig(budget=budget, allocator_overhead=1.0))
@@ -323,7 +323,7 @@ def test_whole_step_within_budget_recomputes_nothing_until_a_step_exceeds_it_by_
 
 def test_replans_tighter_above_headroom_and_relaxes_when_far_under(caplog):
     torch.manual_seed(0)
-    model, batch = TinyGPT(layers=4), gpt_batch(16, 64)
+    model, batch = tiny_gpt(layers=4, seq=64), gpt_batch(16, 64)
     fixed, act = _probe(model, batch)
     # Room for 5x the activations: what a peak that the estimate missed by far will need.
     budget = int((fixed + 5 * act) / 0.95)
@@ -352,7 +352,7 @@ def test_replans_tighter_above_headroom_and_relaxes_when_far_under(caplog):
 
 def test_checkpoint_state_restores_the_same_plan():
     torch.manual_seed(0)
-    model, batch = TinyGPT(layers=4), gpt_batch(16, 64)
+    model, batch = tiny_gpt(layers=4, seq=64), gpt_batch(16, 64)
     fixed, act = _probe(model, batch)
     # headroom 0.99: 5% of this process's resident memory is more than the tiny model's activations
     budget = int((fixed + 0.6 * act) / 0.99)
@@ -401,24 +401,6 @@ def test_peak_rss_stays_within_budget():
 
 
 # ------------------------------------------------------------------ through Lightning and HorizonStrategy
-
-
-class LitGPT(L.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.net = TinyGPT(layers=4, seq=128, dropout=0.1)
-        self.losses = []
-
-    def training_step(self, batch, batch_idx):
-        loss = self.net.training_step(batch, batch_idx)
-        self.log("loss", loss)
-        return loss
-
-    def on_train_batch_end(self, outputs, batch, batch_idx):
-        self.losses.append(outputs["loss"].item())  # here, not in training_step: the profile pass runs that once more
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
 def _lit_data():
@@ -526,7 +508,7 @@ class Counting(L.LightningModule):
 
     def __init__(self):
         super().__init__()
-        self.net = TinyGPT(layers=2, seq=32, dropout=0.1)
+        self.net = tiny_gpt(layers=2, seq=32, dropout=0.1)
         self.mean_loss = torchmetrics.MeanMetric()
         self.calls, self.seen = 0, []
         self.gen = torch.Generator().manual_seed(1)

@@ -1,41 +1,16 @@
-"""HorizonStrategy: parity with Lightning's DDP, topology and pinning, comm hooks on CPU, bad input.
+"""HorizonStrategy: parity with Lightning's DDP, pinning, comm hooks on CPU, bad input.
 
 The multi-process tests are real gloo runs of tests/scripts/fit.py under Lightning's own launcher, grouped so
-that one launch covers several fits (process start and `import lightning` cost seconds per rank).
+that one launch covers several fits (process start and `import lightning` cost seconds per rank). Nodes launched
+by NODE_RANK, their process groups and the placement table: test_topology.py.
 """
-
-import json
-import socket
-from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
 
 from lightning_horizon import HorizonStrategy
-from tests.launch import run_script, run_scripts
-from tests.scripts.fit import TinyLM, data
-
-FIT = Path(__file__).parent / "scripts" / "fit.py"
-
-
-def _launch(tmp_path, runs, *, nodes=1, tasksets=None, timeout=240):
-    cfg = tmp_path / "config.json"
-    cfg.write_text(json.dumps({"runs": runs}))
-    prefix = tmp_path / "out"
-    if nodes == 1:
-        run_script(FIT, [cfg, prefix], timeout=timeout)
-    else:
-        with socket.socket() as s:  # a free port for the rendezvous of the node trees
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        env = lambda n: {"NODE_RANK": str(n), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # noqa: E731
-        run_scripts([(FIT, [cfg, prefix], env(n)) for n in range(nodes)], timeout=timeout, prefixes=tasksets)
-    results = {}
-    for path in sorted(tmp_path.glob("out.rank*.json")):
-        for info in json.loads(path.read_text()):
-            results.setdefault(info["name"], {})[info["rank"]] = info
-    return results
+from tests.scripts.fit import TinyLM, data, launch
 
 
 # ------------------------------------------------------------------ one process, in this process
@@ -108,7 +83,7 @@ def test_two_processes_match_lightning_ddp_in_every_variant(tmp_path):
         {"name": "accum", "strategy": "horizon", "devices": 2, "accumulate": 2, "scheduler": "cosine", "max_steps": 4,
          "evaluate": True, "validate_during_fit": True},
     ]
-    res = _launch(tmp_path, runs)
+    res = launch(tmp_path, runs)
     for ours, theirs in (("horizon", "ddp"), ("manual", "manual_ddp"), ("accum", "accum_ddp")):
         for rank in (0, 1):
             a, b = res[ours][rank], res[theirs][rank]
@@ -132,27 +107,3 @@ def test_two_processes_match_lightning_ddp_in_every_variant(tmp_path):
     assert cores[0].isdisjoint(cores[1]) and not any(r["shared"] for r in placement)
     assert all(res["horizon"][r]["threads"] == len(cores[r]) for r in (0, 1))
     assert res["horizon"][0]["backend"] == "gloo"
-
-
-def test_two_nodes_by_node_rank_groups_and_shared_cores(tmp_path):
-    """4 ranks as 2 nodes x 2, each node a separate process tree launched with NODE_RANK (as on a cluster),
-    each node restricted to one core, so its two ranks must share it and the table must say so."""
-    runs = [
-        {"name": "ddp", "strategy": "ddp", "devices": 2, "num_nodes": 2, "max_steps": 4},
-        {"name": "horizon", "strategy": "horizon", "devices": 2, "num_nodes": 2, "max_steps": 4},
-    ]
-    res = _launch(tmp_path, runs, nodes=2, tasksets=[["taskset", "-c", "0"], ["taskset", "-c", "1"]])
-    ours = res["horizon"]
-    assert sorted(ours) == [0, 1, 2, 3]
-    for rank, info in ours.items():
-        node = rank // 2
-        assert info["world"] == 4
-        assert info["intra_ranks"] == [2 * node, 2 * node + 1]
-        assert info["inter_ranks"] == [rank % 2, rank % 2 + 2]
-        torch.testing.assert_close(torch.tensor(info["losses"]), torch.tensor(res["ddp"][rank]["losses"]),
-                                   rtol=1e-6, atol=0)
-    table = ours[0]["table"]
-    assert "2 node(s) x 2 rank(s)" in table and "(shared)" in table
-    by_rank = {r["rank"]: r for r in ours[0]["placement"]}
-    assert by_rank[0]["cores"] == by_rank[1]["cores"] == [0] and by_rank[0]["shared"]
-    assert by_rank[2]["cores"] == by_rank[3]["cores"] == [1]

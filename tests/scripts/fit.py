@@ -5,9 +5,11 @@ usage: python fit.py CONFIG.json OUT_PREFIX
 CONFIG holds {"runs": [{...}, ...]}; each run names a strategy ("ddp" for Lightning's own, "horizon" for ours),
 its kwargs, devices, num_nodes and the training variant. Lightning's launcher re-executes this script for the
 other local ranks, so every rank runs the same runs in the same order; each writes OUT_PREFIX.rank{R}.json.
+The tests start it with :func:`launch`.
 """
 
 import json
+import os
 import sys
 
 import lightning as L
@@ -141,6 +143,33 @@ def main(config_path, out_prefix):
     rank = results[-1]["rank"] if results else 0
     with open(f"{out_prefix}.rank{rank}.json", "w") as f:
         json.dump(results, f)
+
+
+def launch(tmp_path, runs, *, nodes=1, tasksets=None, timeout=240):
+    """Run ``runs`` through this script under Lightning's launcher (``nodes`` > 1: one process tree per emulated
+    node, started with NODE_RANK as on a cluster; ``tasksets``: a command prefix per node) and return
+    ``{run name: {rank: what that rank saw}}``. For the tests; a hang is killed at ``timeout``."""
+    import socket
+
+    from tests.launch import run_script, run_scripts
+
+    script = os.path.abspath(__file__)
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"runs": runs}))
+    prefix = tmp_path / "out"
+    if nodes == 1:
+        run_script(script, [cfg, prefix], timeout=timeout)
+    else:
+        with socket.socket() as s:  # a free port for the rendezvous of the node trees
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env = lambda n: {"NODE_RANK": str(n), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # noqa: E731
+        run_scripts([(script, [cfg, prefix], env(n)) for n in range(nodes)], timeout=timeout, prefixes=tasksets)
+    results = {}
+    for path in sorted(tmp_path.glob("out.rank*.json")):
+        for info in json.loads(path.read_text()):
+            results.setdefault(info["name"], {})[info["rank"]] = info
+    return results
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Tiny models for the sharding tests, and the fresh-process peak-RSS measurement they run.
 
-Run as a script: ``python tests/scripts/sharding_models.py MODE [FRACTION BASE PEAK]`` builds the GPT below, runs
+Run as a script: ``python tests/scripts/sharding_models.py MODE [FRACTION BASE PEAK]`` builds :func:`tiny_gpt`, runs
 three training steps (AdamW) and prints one JSON line with the RSS before the first step ("base") and the
 RSS high-water mark of the steps ("peak"). MODE "plain" trains unsharded; MODE "sharded" plans for a budget of
 ``BASE + FRACTION * (PEAK - BASE)`` from an earlier plain run, i.e. FRACTION of the unsharded activation peak.
@@ -9,81 +9,44 @@ RSS high-water mark of the steps ("peak"). MODE "plain" trains unsharded; MODE "
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 
+import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from recipes.gpt import GPTConfig, GPTWithLoss
 
-class Attention(nn.Module):
-    """Causal self-attention written out (not SDPA): its T x T scores are the big saved activations."""
 
-    def __init__(self, d: int, heads: int, dropout: float) -> None:
+def tiny_gpt(vocab: int = 64, d: int = 32, heads: int = 4, layers: int = 3, seq: int = 16,
+             dropout: float = 0.1) -> GPTWithLoss:
+    """recipes/gpt.py's GPT, tiny, with tied embeddings and the attention written out (``attention="manual"``): its
+    T x T scores are the big saved activations the planner sees. ``training_step`` returns the LM loss."""
+    cfg = GPTConfig(vocab_size=vocab, block_size=seq, n_layer=layers, n_head=heads, n_embd=d, dropout=dropout,
+                    attention="manual")
+    return GPTWithLoss(cfg)
+
+
+class LitGPT(L.LightningModule):
+    """:func:`tiny_gpt` (4 blocks, 128 tokens, dropout) under Lightning: AdamW, the loss logged and kept per batch."""
+
+    def __init__(self) -> None:
         super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(d, 3 * d)
-        self.proj = nn.Linear(d, d)
-        self.attn_drop = nn.Dropout(dropout)
-        self.resid_drop = nn.Dropout(dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
-        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
-        att = self.attn_drop(att.masked_fill(mask, float("-inf")).softmax(-1))
-        y = (att @ v).transpose(1, 2).reshape(b, t, d)
-        return self.resid_drop(self.proj(y))
-
-
-class MLP(nn.Module):
-    def __init__(self, d: int, dropout: float) -> None:
-        super().__init__()
-        self.fc, self.proj, self.drop = nn.Linear(d, 4 * d), nn.Linear(4 * d, d), nn.Dropout(dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.proj(F.gelu(self.fc(x))))
-
-
-class Block(nn.Module):
-    def __init__(self, d: int, heads: int, dropout: float) -> None:
-        super().__init__()
-        self.ln1, self.attn = nn.LayerNorm(d), Attention(d, heads, dropout)
-        self.ln2, self.mlp = nn.LayerNorm(d), MLP(d, dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
-
-
-class TinyGPT(nn.Module):
-    """A GPT block stack with tied input/output embeddings; ``training_step`` returns the LM loss."""
-
-    def __init__(self, vocab: int = 64, d: int = 32, heads: int = 4, layers: int = 3, seq: int = 16,
-                 dropout: float = 0.1) -> None:
-        super().__init__()
-        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(seq, d)
-        self.drop = nn.Dropout(dropout)
-        self.h = nn.ModuleList(Block(d, heads, dropout) for _ in range(layers))
-        self.ln_f = nn.LayerNorm(d)
-        self.head = nn.Linear(d, vocab, bias=False)
-        self.head.weight = self.wte.weight  # tied
-        nn.init.normal_(self.wte.weight, std=0.02)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(pos))
-        for block in self.h:
-            x = block(x)
-        return self.head(self.ln_f(x))
+        self.net = tiny_gpt(layers=4, seq=128, dropout=0.1)
+        self.losses: list[float] = []
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        idx, targets = batch
-        logits = self(idx)
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        loss = self.net.training_step(batch, batch_idx)
+        self.log("loss", loss)
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        self.losses.append(outputs["loss"].item())  # here, not in training_step: the profile pass runs that once more
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
 class Branchy(nn.Module):
@@ -120,7 +83,7 @@ def rss_main(argv: list[str]) -> None:
     torch.manual_seed(0)
     torch.set_num_threads(1)
     vocab, seq, batch = 128, 256, 8
-    model = TinyGPT(vocab=vocab, d=64, heads=4, layers=6, seq=seq, dropout=0.1)
+    model = tiny_gpt(vocab=vocab, d=64, heads=4, layers=6, seq=seq, dropout=0.1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data = [(torch.randint(0, vocab, (batch, seq)), torch.randint(0, vocab, (batch, seq))) for _ in range(3)]
     sharder = None

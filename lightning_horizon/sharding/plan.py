@@ -298,14 +298,7 @@ def make_plan(
             if best_effort:
                 frontier = floor_frontier
                 break
-            raise InfeasibleBudgetError(
-                f"budget={budget} bytes ({fmt_bytes(budget)}) is below the smallest feasible plan: the least"
-                f" estimated peak is {fmt_bytes(fixed + floor)} ({fmt_bytes(fixed)} resident + {fmt_bytes(floor)}"
-                f" activations and gradients with every recomputable call recomputed), which needs a budget of at"
-                f" least {smallest} bytes ({fmt_bytes(smallest)}) at headroom={headroom} (a plan that recomputes"
-                f" nothing aims at the budget itself: the whole step is estimated at {fmt_bytes(whole.estimated_peak)})",
-                smallest,
-            )
+            raise _infeasible(budget, fixed, floor, smallest, headroom, whole.estimated_peak)
         frontier = (frontier - deeper) | {ch for i in deeper for ch in profile.calls[i].children}
     items = _items(profile, frontier, scale)
     solved = _solve(items, allowance, grads)
@@ -313,24 +306,50 @@ def make_plan(
         chosen = {k for k, it in enumerate(items) if it.choosable}
         solved = (sum(items[k].cost for k in chosen), _floor(items, grads)[0], chosen)
     else:
-        # A recomputed unit with children may have a cheaper recompute among them (the attention's scores
-        # rather than the whole block): try finer frontiers (all such units at once, else one at a time,
-        # costliest first) and keep one while it costs less.
-        for _ in range(16):
-            split = sorted((k for k in solved[2] if items[k].call.children), key=lambda k: -items[k].cost)
-            better = None
-            for group in ([split] if len(split) > 1 else []) + [[k] for k in split[:32]]:
-                parents = {items[k].call.index for k in group}
-                finer = (frontier - parents) | {ch for i in parents for ch in profile.calls[i].children}
-                finer_items = _items(profile, finer, scale)
-                trial = _solve(finer_items, allowance, grads)
-                if trial is not None and trial[0] < 0.98 * solved[0]:
-                    better = (finer, finer_items, trial)
-                    break
-            if better is None:
-                break
-            frontier, items, solved = better
+        items, solved = _refine(profile, frontier, items, solved, allowance, grads, scale)
     return _assemble(profile, items, solved[2], budget, target, fixed, scale, fixed + floor, grads)
+
+
+def _refine(
+    profile: Profile,
+    frontier: set[int],
+    items: list[_Item],
+    solved: tuple,
+    allowance: int,
+    grads: "_Grads",
+    scale: float,
+) -> tuple[list[_Item], tuple]:
+    """A recomputed unit with children may have a cheaper recompute among them (the attention's scores rather
+    than the whole block): try finer frontiers (all such units at once, else one at a time, costliest first) and
+    keep one while it costs less. Returns the items and solution kept."""
+    for _ in range(16):
+        split = sorted((k for k in solved[2] if items[k].call.children), key=lambda k: -items[k].cost)
+        better = None
+        for group in ([split] if len(split) > 1 else []) + [[k] for k in split[:32]]:
+            parents = {items[k].call.index for k in group}
+            finer = (frontier - parents) | {ch for i in parents for ch in profile.calls[i].children}
+            finer_items = _items(profile, finer, scale)
+            trial = _solve(finer_items, allowance, grads)
+            if trial is not None and trial[0] < 0.98 * solved[0]:
+                better = (finer, finer_items, trial)
+                break
+        if better is None:
+            break
+        frontier, items, solved = better
+    return items, solved
+
+
+def _infeasible(
+    budget: int, fixed: int, floor: int, smallest: int, headroom: float, whole: int
+) -> "InfeasibleBudgetError":
+    return InfeasibleBudgetError(
+        f"budget={budget} bytes ({fmt_bytes(budget)}) is below the smallest feasible plan: the least"
+        f" estimated peak is {fmt_bytes(fixed + floor)} ({fmt_bytes(fixed)} resident + {fmt_bytes(floor)}"
+        f" activations and gradients with every recomputable call recomputed), which needs a budget of at"
+        f" least {smallest} bytes ({fmt_bytes(smallest)}) at headroom={headroom} (a plan that recomputes"
+        f" nothing aims at the budget itself: the whole step is estimated at {fmt_bytes(whole)})",
+        smallest,
+    )
 
 
 def _assemble(profile: Profile, items: list[_Item], chosen: set[int], budget: int, target: int, fixed: int,

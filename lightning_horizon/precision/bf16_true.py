@@ -125,22 +125,7 @@ class Bf16TruePolicy(Policy):
 
     # ------------------------------------------------------------------ optimizer step
 
-    def optimizer_step(
-        self,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        after_closure: Callable[[], None],
-        lightning_step: Callable[[], Any],
-        kwargs: dict[str, Any],
-    ) -> Any:
-        closure()
-        # The step runs even when training_step returned None (no gradients: the optimizer moves nothing), as in
-        # Lightning's own precision plugins: step hooks fire, so a callback that scaled the lr puts it back.
-        return self.step(optimizer, after_closure, kwargs)
-
-    def step(self, optimizer: Optimizer, after_closure: Callable[[], None], kwargs: dict[str, Any]) -> Any:
-        """Update the masters from the gradients backward left on the bf16 parameters, and the weights from them."""
-        raise NotImplementedError
+    owns_step = True  # subclasses' step(): the masters from the bf16 parameters' gradients, the weights from them
 
     # ------------------------------------------------------------------ checkpoint
 

@@ -165,9 +165,12 @@ class HorizonPrecision(Precision):
     def optimizer_step(
         self, optimizer: Any, model: "pl.LightningModule", closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
-        lightning_step = partial(super().optimizer_step, optimizer, model=model, closure=closure, **kwargs)
-        after_closure = partial(self._after_closure, model, optimizer)
-        return self._policy.optimizer_step(optimizer, closure, after_closure, lightning_step, kwargs)
+        if not self._policy.owns_step:
+            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        closure()
+        # The step runs even when training_step returned None (no gradients: the optimizer moves nothing), as in
+        # Lightning's own precision plugins: step hooks fire, so a callback that scaled the lr puts it back.
+        return self._policy.step(optimizer, partial(self._after_closure, model, optimizer), kwargs)
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:

@@ -74,18 +74,14 @@ class Policy:
 
     # ------------------------------------------------------------------ optimizer step
 
-    def optimizer_step(
-        self,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        after_closure: Callable[[], None],
-        lightning_step: Callable[[], Any],
-        kwargs: dict[str, Any],
-    ) -> Any:
-        """One step. ``closure`` runs forward and backward; ``after_closure`` measures the grad norm and runs the
-        ``on_before_optimizer_step`` callbacks; ``lightning_step`` is Lightning's own step (closure inside
-        ``optimizer.step``), right wherever the optimizer steps the module's parameters themselves."""
-        return lightning_step()
+    #: whether the policy runs the optimizer step itself (:meth:`step`); otherwise Lightning's own step runs,
+    #: right wherever the optimizer steps the module's parameters themselves
+    owns_step = False
+
+    def step(self, optimizer: Optimizer, after_closure: Callable[[], None], kwargs: dict[str, Any]) -> Any:
+        """The optimizer step, after forward and backward have run: ``after_closure`` measures the grad norm and
+        runs the ``on_before_optimizer_step`` callbacks (only called when :attr:`owns_step`)."""
+        raise NotImplementedError
 
     # ------------------------------------------------------------------ checkpoint
 

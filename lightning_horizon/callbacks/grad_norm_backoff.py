@@ -362,10 +362,9 @@ def _node_of(trainer: "pl.Trainer") -> tuple[int, int]:
     node's gradients are reduced inside the node only, so each node clips by its own norm.
     """
     strategy = trainer.strategy
-    groups, config = getattr(strategy, "process_groups", None), getattr(strategy, "collectives_config", None)
-    if groups is None or config is None or config.sync_every == 1:
+    if not getattr(strategy, "nodes_diverge", False):
         return 0, 1
-    return groups.topology.node_rank, groups.topology.num_nodes
+    return strategy.topology.node_rank, strategy.topology.num_nodes
 
 
 def _agree_across_ranks(norm: Tensor, node: int = 0, nodes: int = 1) -> tuple[float, float]:

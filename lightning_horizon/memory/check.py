@@ -15,9 +15,8 @@ from typing import Any, Optional
 
 from torch.nn import Module
 
-from lightning_horizon.memory.estimate import gradients_pending, optimizer_state_pending
+from lightning_horizon.memory.estimate import gradients_pending, held_bytes, optimizer_state_pending
 from lightning_horizon.memory.probe import AVAILABLE_MEMORY_ENV, fmt_bytes, node_free_memory
-from lightning_horizon.memory.estimate import held_bytes
 
 
 class InsufficientMemoryError(MemoryError):

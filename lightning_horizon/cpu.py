@@ -177,6 +177,34 @@ def place(local_rank: int, local_world_size: int, pin_cores: bool, threads: Opti
     return {"cores": cores, "threads": pin(cores, threads), "shared": shared}
 
 
+#: what pinning changes in a process: the OpenMP variables, the affinity and torch's thread count
+_PINNED_VARS = (*_THREAD_VARS, "KMP_BLOCKTIME", "KMP_AFFINITY")
+
+
+@dataclass(frozen=True)
+class ThreadSettings:
+    """A process's thread settings before Lightning's launcher and our pinning changed them, to give back at teardown."""
+
+    env: dict[str, Optional[str]]
+    affinity: Optional[frozenset[int]]
+    threads: int
+
+    @classmethod
+    def capture(cls) -> "ThreadSettings":
+        affinity = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        return cls({v: os.environ.get(v) for v in _PINNED_VARS}, affinity, torch.get_num_threads())
+
+    def restore(self) -> None:
+        for var, value in self.env.items():
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value
+        if self.affinity is not None:
+            os.sched_setaffinity(0, self.affinity)
+        torch.set_num_threads(self.threads)
+
+
 def pin(cores: list[int], threads: Optional[int] = None) -> int:
     """Pin this process to ``cores`` and size torch's intra-op pool; return the thread count.
 

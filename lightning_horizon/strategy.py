@@ -18,13 +18,14 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.strategy import Strategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import _augment_message
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_horizon import cpu, liveness, memory
+from lightning_horizon import cpu, liveness, memory, wire
 from lightning_horizon.checkpoint_io import AtomicCheckpointIO
 from lightning_horizon.collectives.local_sgd import NODE_KEY, node_state, this_nodes_checkpoint
 from lightning_horizon.parts import Parts
@@ -41,6 +42,12 @@ log = logging.getLogger(__name__)
 #: short enough that a lost peer ends the job instead of hanging it for torch's default 30 minutes.
 DEFAULT_TIMEOUT_S = 600.0
 _CHECKPOINT_KEY = "HorizonStrategy"
+UNUSED_PARAMETERS = (
+    "It looks like your LightningModule has parameters that were not used in producing the loss returned by"
+    " training_step. If this is intentional, you must enable the detection of unused parameters in DDP, either by"
+    " setting the string value `strategy='horizon_find_unused_parameters_true'` or by setting the flag in the"
+    " strategy with `strategy=HorizonStrategy(find_unused_parameters=True)`."
+)
 
 
 class HorizonStrategy(DDPStrategy):
@@ -141,6 +148,8 @@ class HorizonStrategy(DDPStrategy):
         self._node_weights: Optional[dict[str, Any]] = None
         self._reported = False
         self._training_state = TrainingState()
+        self._thread_settings: Optional[cpu.ThreadSettings] = None
+        self._warn_unused = False
 
     # ------------------------------------------------------------------ processes, groups, cores
 
@@ -182,6 +191,10 @@ class HorizonStrategy(DDPStrategy):
         # before the launcher starts any process.
         check_ranks_per_node(self._ranks_per_node, self._world_size_planned)
         self.collectives_config.grid_shape(self._world_size_planned, self._ranks_per_node or self.num_processes)
+        # Lightning's launcher sets OMP_NUM_THREADS and torch's thread count, our pinning the affinity and the
+        # OpenMP variables: teardown gives back what this process had before either, so that a notebook or a
+        # script that goes on after fit finds its settings as they were.
+        self._thread_settings = cpu.ThreadSettings.capture()
         super()._configure_launcher()
 
     @override
@@ -194,18 +207,15 @@ class HorizonStrategy(DDPStrategy):
 
     @override
     def setup_distributed(self) -> None:
-        if self._world_size_planned > 1:
-            super().setup_distributed()
-            # Lightning leaves the process group up for later fits; torch 2.13's gloo group, destroyed during
-            # interpreter shutdown, can abort the process ("terminate called without an active exception",
-            # exit -6) after a successful run. Destroy it while Python is still whole.
-            atexit.unregister(_destroy_process_group)  # once per process, however many fits
-            atexit.register(_destroy_process_group)
-            return
-        # One process: no process group (nothing to reduce), just the rank bookkeeping.
-        reset_seed()
-        self.set_world_ranks()
-        self._process_group_backend = self._get_process_group_backend()
+        # One process too, as DDPStrategy does: user code that builds a DistributedSampler or calls
+        # torch.distributed works unchanged (a world-size-1 gloo group costs milliseconds). The model is still not
+        # wrapped in DDP there (see _setup_model).
+        super().setup_distributed()
+        # Lightning leaves the process group up for later fits; torch 2.13's gloo group, destroyed during
+        # interpreter shutdown, can abort the process ("terminate called without an active exception",
+        # exit -6) after a successful run. Destroy it while Python is still whole.
+        atexit.unregister(_destroy_process_group)  # once per process, however many fits
+        atexit.register(_destroy_process_group)
 
     @override
     def setup_environment(self) -> None:
@@ -245,7 +255,7 @@ class HorizonStrategy(DDPStrategy):
         assert self.topology is not None
         isa, alloc = cpu.isa(), cpu.allocator()
         header = (
-            f"backend {self._process_group_backend or 'none (1 process)'}"
+            f"backend {self._process_group_backend}"
             f" | ISA {isa.name} (torch {isa.torch_capability}, native bf16: {'yes' if isa.native_bf16 else 'no'})"
             f" | allocator {alloc or 'glibc malloc'}"
         )
@@ -257,7 +267,11 @@ class HorizonStrategy(DDPStrategy):
     @override
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
         if self.world_size == 1:
-            return model  # one process: nothing to synchronize, keep the plain module
+            # One process: nothing to synchronize, keep the plain module. DDP's reducer would refuse parameters
+            # that get no gradient; here they are harmless, but the same code on several processes will fail:
+            # warn after the first step (unless the user already allows them).
+            self._warn_unused = not self._ddp_kwargs.get("find_unused_parameters", False)
+            return model
         return super()._setup_model(model)
 
     def _comm_hook(self) -> tuple[Optional[object], Optional[Callable]]:
@@ -316,13 +330,19 @@ class HorizonStrategy(DDPStrategy):
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._warn_unused:
+            self._warn_unused = False
+            warn_unused_parameters(optimizer, self.lightning_module)
         if self.lightning_module.automatic_optimization:
             self.parts.after_optimizer_step()  # manual optimization: once per batch, in training_step
         return output
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        super().on_exception(exception)
+        # DDPStrategy's explanation of the reducer's unused-parameter error, naming this strategy's switch
+        Strategy.on_exception(self, exception)
+        _augment_message(exception, pattern=".*Expected to have finished reduction in the prior iteration.*",
+                         new_message=UNUSED_PARAMETERS)
         # A dead or hung peer surfaces as a socket error or a timeout naming no rank: name it.
         if self.placement and self.world_size > 1 and liveness.looks_like_lost_peer(exception):
             log.error(liveness.describe(self.placement, self.global_rank, self._timeout.total_seconds()))
@@ -351,6 +371,8 @@ class HorizonStrategy(DDPStrategy):
     def teardown(self) -> None:
         self.parts.teardown()  # the sharder uninstalls: the module leaves fit exactly as it came in
         super().teardown()
+        if self._thread_settings is not None:
+            self._thread_settings.restore()
 
     # ------------------------------------------------------------------ checkpoint state of the parts
 
@@ -371,7 +393,10 @@ class HorizonStrategy(DDPStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         saved = checkpoint.get(_CHECKPOINT_KEY)
-        if saved is None:
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if saved is None or (trainer is not None and trainer.state.fn != TrainerFn.FITTING):
+            # validate/test/predict(ckpt_path=...) take the weights only, as under DDP: the per-rank state (RNG,
+            # error feedback, plans) is for resuming training, and restoring the RNG would move the user's draws
             return checkpoint
         if saved["world_size"] != self.world_size:
             log.warning(
@@ -389,25 +414,44 @@ class HorizonStrategy(DDPStrategy):
         return checkpoint
 
     def _gather_objects(self, obj: Any) -> Optional[list[Any]]:
-        """Every rank's ``obj`` on rank 0 (``None`` elsewhere): only rank 0 writes the checkpoint."""
+        """Every rank's ``obj`` on rank 0 (``None`` elsewhere): only rank 0 writes the checkpoint. Tensors travel
+        as raw bytes (wire.py): pickled, they would go through ``torch.save`` on every rank, where Lightning's DDP
+        calls it on rank 0 only."""
         if not (dist.is_available() and dist.is_initialized()):
             return [obj]
         out: Optional[list[Any]] = [None] * dist.get_world_size() if self.global_rank == 0 else None
-        dist.gather_object(obj, out, dst=0)
-        return out
+        dist.gather_object(wire.pack(obj), out, dst=0)
+        return [wire.unpack(o) for o in out] if out is not None else None
 
     # ------------------------------------------------------------------ registration
 
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        entries = (("horizon", "popen"), ("horizon_spawn", "spawn"), ("horizon_fork", "fork"))
-        for name, start_method in entries:
+        # as DDPStrategy's names: "ddp_find_unused_parameters_true" -> "horizon_find_unused_parameters_true"
+        entries = [(f"{name}{suffix}", method, unused) for name, method in
+                   (("horizon", "popen"), ("horizon_spawn", "spawn"), ("horizon_fork", "fork"))
+                   for suffix, unused in (("", False), ("_find_unused_parameters_true", True))]
+        for name, start_method, unused in entries:
             if name in strategy_registry:
                 continue  # idempotent: re-importing the package must not fail
             strategy_registry.register(
-                name, cls, description=f"HorizonStrategy with start_method={start_method!r}", start_method=start_method
+                name, cls, description=f"HorizonStrategy with start_method={start_method!r}"
+                f"{', find_unused_parameters=True' if unused else ''}", start_method=start_method,
+                **({"find_unused_parameters": True} if unused else {}),
             )
+
+
+def warn_unused_parameters(optimizer: Any, module: torch.nn.Module) -> None:
+    """Warn (one process, after the first step) about parameters this optimizer steps that got no gradient."""
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    unused = [n for n, p in module.named_parameters() if id(p) in stepped and p.requires_grad and p.grad is None]
+    if unused and len(unused) < len(stepped):  # none at all: a skipped step, not unused parameters
+        rank_zero_warn(
+            f"HorizonStrategy: {len(unused)} parameter(s) got no gradient in the first step ({', '.join(unused[:3])}"
+            f"{', ...' if len(unused) > 3 else ''}). Harmless with one process; with several, DDP refuses them: pass"
+            " `HorizonStrategy(find_unused_parameters=True)` there."
+        )
 
 
 def _destroy_process_group() -> None:

@@ -25,12 +25,12 @@ def _fit_one(strategy, steps=6):
     return model, trainer
 
 
-def test_one_process_matches_lightning_ddp_and_starts_no_process_group():
+def test_one_process_matches_lightning_ddp_with_a_world_size_1_group_and_no_ddp_wrapper():
     theirs, _ = _fit_one("ddp")
     torch.distributed.destroy_process_group()  # Lightning's ddp with one device starts one
     ours, trainer = _fit_one("horizon")
     assert isinstance(trainer.strategy, HorizonStrategy)
-    assert not torch.distributed.is_initialized()
+    assert torch.distributed.is_initialized() and torch.distributed.get_world_size() == 1  # as ddp: user code works
     assert trainer.strategy.model is ours  # no DDP wrapper around a single process
     torch.testing.assert_close(torch.tensor(ours.losses), torch.tensor(theirs.losses), rtol=1e-6, atol=0)
     assert ours.losses[-1] < ours.losses[0]
@@ -38,9 +38,11 @@ def test_one_process_matches_lightning_ddp_and_starts_no_process_group():
 
 def test_registered_names():
     for name, method in (("horizon", "popen"), ("horizon_spawn", "spawn"), ("horizon_fork", "fork")):
-        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=name, logger=False)
-        assert isinstance(trainer.strategy, HorizonStrategy)
-        assert trainer.strategy._start_method == method
+        for suffix, unused in (("", False), ("_find_unused_parameters_true", True)):  # as "ddp..." names
+            trainer = L.Trainer(accelerator="cpu", devices=2, strategy=name + suffix, logger=False)
+            assert isinstance(trainer.strategy, HorizonStrategy)
+            assert trainer.strategy._start_method == method
+            assert trainer.strategy._ddp_kwargs.get("find_unused_parameters", False) is unused
     import importlib
 
     import lightning_horizon

@@ -47,7 +47,8 @@ def ipex_optimize(module: Module, optimizers: list[Optimizer], backend: str, com
         return optimizers
     # fp32 weights (autocast does the bf16 part); prepacking replaces parameters, which a DDP wrapper
     # built before this point would not see, so only a single process prepacks
-    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    distributed = (torch.distributed.is_available() and torch.distributed.is_initialized()
+                   and torch.distributed.get_world_size() > 1)
     _, optimizer = ipex.optimize(module, optimizer=optimizers[0], inplace=True, weights_prepack=not distributed)
     if rank_zero_only.rank == 0:
         log.info("HorizonPrecision: ipex %s optimize(weights_prepack=%s)", ipex.__version__, not distributed)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import time
 from typing import Any
 
 _LOST_PEER = re.compile(
@@ -59,8 +60,17 @@ def lost_ranks(placement: list[dict[str, Any]], me: int) -> tuple[list[int], lis
     return dead, unchecked
 
 
+#: how long a peer whose sockets closed may take to be gone: a killed process closes its sockets while it exits,
+#: before it is a zombie, so the first look can still see it running (seen on a loaded 2-core machine)
+EXIT_GRACE_S = 3.0
+
+
 def describe(placement: list[dict[str, Any]], me: int, timeout_s: float) -> str:
+    deadline = time.monotonic() + EXIT_GRACE_S
     dead, unchecked = lost_ranks(placement, me)
+    while not dead and time.monotonic() < deadline:
+        time.sleep(0.05)
+        dead, unchecked = lost_ranks(placement, me)
     node_of = {row["rank"]: row["node"] for row in placement}
     parts = [f"HorizonStrategy: rank {me} (node {node_of.get(me)}) lost a peer in a collective"]
     if dead:

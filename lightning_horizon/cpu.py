@@ -224,6 +224,17 @@ def pin(cores: list[int], threads: Optional[int] = None) -> int:
     return threads
 
 
+def machine_busy_seconds() -> float:
+    """CPU seconds every process on the machine has used since boot (/proc/stat; 0 where there is none)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except OSError:
+        return 0.0
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
 def allocator() -> Optional[str]:
     """``"jemalloc"`` or ``"tcmalloc"`` when one is loaded into this process (e.g. via LD_PRELOAD), else None."""
     try:

@@ -1,10 +1,16 @@
-"""What the recipes' LightningCLI programs share: lightning-horizon's defaults and two config fix-ups."""
+"""What the recipes' LightningCLI programs share: lightning-horizon's defaults, two config fix-ups and the
+automatic layout."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Optional
 
+import torch
 from jsonargparse import Namespace
+
+log = logging.getLogger("lightning_horizon.recipes")
+HORIZON_STRATEGY = ("lightning_horizon.HorizonStrategy", "lightning_horizon.strategy.HorizonStrategy")
 
 
 def horizon_precision_default() -> Optional[dict]:
@@ -36,3 +42,36 @@ def csv_logger_under(cfg: Any, root: str) -> None:
     if cfg.trainer.logger in (None, True):
         cfg.trainer.logger = Namespace(class_path="lightning.pytorch.loggers.CSVLogger",
                                        init_args=Namespace(save_dir=root, name="logs"))
+
+
+def auto_layout(cfg: Any, module_class: type, script: str) -> Optional[str]:
+    """Take the tuned layout (else the rule's) when the user chose none; return the log line, or None.
+
+    "Chose none" is ``trainer.devices: auto`` with HorizonStrategy and no ``threads_per_rank``. The config's
+    ``data.batch_size`` is then the global batch, split over the ranks, so the layout changes the speed and not
+    the training (the seeded sampler gives two ranks of 8 what one rank of 16 sees). The layout is
+    ``lightning_horizon.layout_cache.choose``'s for the module built from ``cfg.model`` on the meta device.
+    """
+    strategy = cfg.trainer.strategy
+    init = getattr(strategy, "init_args", None)
+    if (cfg.trainer.devices != "auto" or getattr(strategy, "class_path", None) not in HORIZON_STRATEGY
+            or init is None or init.get("threads_per_rank") is not None):
+        return None
+    from lightning_horizon.layout import model_sizes, workload
+    from lightning_horizon.layout_cache import choose
+    from lightning_horizon.memory.probe import node_free_memory
+
+    batch = cfg.data.batch_size
+    with torch.device("meta"):  # the sizes and hyperparameters, without allocating the weights
+        module = module_class(**cfg.model.as_dict())
+    layout, why = choose(workload(module, batch, cfg.data.get("seq_len")), *model_sizes(module),
+                         free_memory=node_free_memory())
+    cfg.trainer.devices, init.threads_per_rank = layout.ranks, layout.threads
+    cfg.data.batch_size = batch // layout.ranks
+    if why.startswith("chosen by the launching process"):
+        return None  # a rank Lightning's launcher started: the launching process said it
+    measure = f" Measure with `python -m lightning_horizon.tune {script} <your arguments>`." if why.startswith("rule") \
+        else ""
+    return (f"layout {layout} (ranks x threads; global batch {batch} = {layout.ranks} x {batch // layout.ranks}):"
+            f" {why}.{measure} Choose your own with --trainer.devices N --trainer.strategy.threads_per_rank T"
+            " (data.batch_size is then per rank)")

@@ -5,6 +5,16 @@
     python recipes/bench_vs_lightning.py --arms horizon,horizon-foreach,horizon-compile,lightning-32  # one question
     # a CPU without native bf16 (oneDNN capped at AVX2: bf16 matmuls emulated), reproduced on one with it:
     ONEDNN_MAX_CPU_ISA=AVX2 python recipes/bench_vs_lightning.py --arms lightning-32,lightning-bf16,horizon --warmup 1 --steps 3 --rounds 1
+    python recipes/bench_vs_lightning.py --layouts all --rounds 1    # every layout (ranks x threads) of this machine
+    python recipes/bench_vs_lightning.py --layouts 1x2,2x1 --layout-arms lightning-32,horizon
+
+Layouts: ``--layouts`` ("all": lightning_horizon.layout.candidates of this machine, or e.g. "1x2,2x1") adds an arm
+``BASE@RxT`` for every layout and every base arm of ``--layout-arms`` (default: lightning-32, horizon, and
+lightning-bf16 where the CPU has native bf16): R ranks of T threads (Lightning: ``devices=R``, ``"ddp"`` when R > 1,
+``OMP_NUM_THREADS=T``; horizon: ``devices=R``, ``threads_per_rank=T``), plus ``horizon-tuned``: horizon with the
+layout the recipe would take (the tuned one in the layout cache, else the rule). The table then shows each arm
+against Lightning's default layout (one process on every core, its best precision) and against the best Lightning
+arm of any layout.
 
 Each round runs every arm once, in a rotated order (interleaved A/B, so a noisy neighbour hits all arms alike),
 each in a fresh worker process: the arm's own RSS, thread pool and allocator state, nothing inherited from the
@@ -40,6 +50,8 @@ from pathlib import Path
 from typing import Any
 
 from lightning_horizon.cpu import JEMALLOC_CONF, isa
+from lightning_horizon.layout import Layout, Machine, candidates
+from lightning_horizon.cpu import machine_busy_seconds
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 HERE = Path(__file__).resolve().parent
@@ -54,7 +66,7 @@ ARMS: dict[str, dict[str, Any]] = {
     "lightning-ddp-32": {"kind": "lightning", "strategy": "ddp", "precision": "32-true", "procs": 2},
     "lightning-ddp-bf16": {"kind": "lightning", "strategy": "ddp", "precision": "bf16-mixed", "procs": 2,
                            "model": {"optimizer_impl": "foreach"}},
-    "horizon": {"kind": "horizon", "procs": 1},  # the recipe's defaults
+    "horizon": {"kind": "horizon", "procs": 1},  # the recipe's defaults on one process ("horizon-tuned": its layout)
     "horizon-2x1": {"kind": "horizon", "procs": 2},
     "horizon-fp32": {"kind": "horizon", "procs": 1, "compute": "fp32"},
     "horizon-foreach": {"kind": "horizon", "procs": 1, "model": {"optimizer_impl": "foreach"}},
@@ -80,6 +92,42 @@ def find_allocator(name: str) -> str | None:
             return hits[0]
     return None
 DEFAULT_ARMS = "lightning-32,lightning-bf16,lightning-ddp-32,lightning-ddp-bf16,horizon,horizon-2x1"
+TUNED = "horizon-tuned"  # horizon with the layout the recipe takes: resolved by the driver into "horizon@RxT"
+
+
+def arm_spec(name: str) -> dict[str, Any]:
+    """``ARMS[name]``, or for a layout arm ``BASE@RxT`` the base arm on R ranks of T threads each."""
+    base, _, text = name.partition("@")
+    if base not in ARMS:
+        raise ValueError(f"arm {name!r}: unknown {base!r}; allowed: {', '.join(ARMS)}, each optionally @RxT")
+    arm = dict(ARMS[base])
+    if text:
+        lay = Layout.parse(text)
+        arm["procs"] = lay.ranks
+        if arm["kind"] == "lightning":  # Lightning has no threads option: OMP_NUM_THREADS, as its launcher sets it
+            arm["strategy"] = "ddp" if lay.ranks > 1 else "auto"
+            arm["env"] = {**arm.get("env", {}), "OMP_NUM_THREADS": str(lay.threads)}
+        else:
+            arm["strategy"] = {**arm.get("strategy", {}), "threads_per_rank": lay.threads}
+    return arm
+
+
+def tuned_layout(cfg: dict[str, Any]) -> tuple[Layout, str]:
+    """The layout recipes/pretrain_gpt.py takes for this config by default (layout cache, else rule), and why."""
+    import torch
+
+    from lightning_horizon.layout import model_sizes, workload
+    from lightning_horizon.layout_cache import CHOSEN_ENV, choose
+    from lightning_horizon.memory.probe import node_free_memory
+    from pretrain_gpt import GPTPretrain
+
+    data = cfg.get("data", {})
+    with torch.device("meta"):
+        module = GPTPretrain(**cfg.get("model", {}))
+    chosen = choose(workload(module, data.get("batch_size", 16), data.get("seq_len", 256)), *model_sizes(module),
+                    free_memory=node_free_memory())
+    os.environ.pop(CHOSEN_ENV, None)  # for the recipe's own ranks; the arms are told their layout
+    return chosen
 
 
 # ---------------------------------------------------------------------------------------------- worker side
@@ -109,7 +157,7 @@ def worker(args: argparse.Namespace) -> None:
     from lm_data import ByteCorpusDataModule
     from pretrain_gpt import GPTPretrain
 
-    arm = ARMS[args.worker]
+    arm = arm_spec(args.worker)
     cfg = yaml.safe_load(Path(args.config).read_text())
     data_kw = dict(cfg.get("data", {}))
     data_kw["batch_size"] = data_kw.get("batch_size", 16) // arm["procs"]  # same global batch for every arm
@@ -159,15 +207,37 @@ def worker(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------------------------------- driver side
 
 
-def machine_busy_seconds() -> float:
-    """CPU seconds every process on the machine has used since boot (/proc/stat; 0 where there is none)."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-    except OSError:
-        return 0.0
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+def select_arms(args: argparse.Namespace, cfg: dict[str, Any]) -> tuple[list[str], dict[str, str], str]:
+    """The arms to run (row names), the worker arm of each (``horizon-tuned`` -> ``horizon@RxT``), and why the
+    tuned arm has its layout ("" without one)."""
+    if args.arms == "all":  # every arm this machine can run (an allocator arm needs its library)
+        arms = [a for a in ARMS if not ARMS[a].get("preload") or find_allocator(ARMS[a]["preload"])]
+    else:
+        given = args.arms if args.arms is not None else ("" if args.layouts else DEFAULT_ARMS)
+        arms = [a.strip() for a in given.split(",") if a.strip()]
+    if args.layouts:
+        machine = Machine.here()
+        layouts = candidates(machine.cores, machine.domains) if args.layouts == "all" else \
+            [Layout.parse(t) for t in args.layouts.split(",") if t.strip()]
+        bases = (["lightning-32", "horizon"] + (["lightning-bf16"] if isa().native_bf16 else [])
+                 if args.layout_arms == "auto" else [b.strip() for b in args.layout_arms.split(",") if b.strip()])
+        arms += [f"{b}@{lay.ranks}x{lay.threads}" for lay in layouts for b in bases]
+        arms += [TUNED] if TUNED not in arms else []
+    batch = cfg.get("data", {}).get("batch_size", 16)
+    workers, why = {}, ""
+    for a in arms:
+        if a == TUNED:
+            lay, why = tuned_layout(cfg)
+            workers[a] = f"horizon@{lay.ranks}x{lay.threads}"
+        else:
+            workers[a] = a
+    for a, w in workers.items():
+        procs = arm_spec(w)["procs"]  # raises, naming the arm, when it is unknown
+        if batch % procs:
+            raise ValueError(f"arm {a}: the global batch {batch} ({args.config}) does not split over {procs} ranks")
+    if not arms:
+        raise ValueError(f"--arms={args.arms!r} --layouts={args.layouts!r}: no arm to run")
+    return arms, workers, why
 
 
 def run_arm(name: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
@@ -178,13 +248,14 @@ def run_arm(name: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     # a worker starts with the environment a user's shell would give it: no thread variables, so each framework's
     # own policy decides (Lightning: cores // processes; HorizonStrategy: pinned cores)
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-    if ARMS[name].get("preload"):
-        lib = find_allocator(ARMS[name]["preload"])
+    spec = arm_spec(name)
+    if spec.get("preload"):
+        lib = find_allocator(spec["preload"])
         if lib is None:
-            raise RuntimeError(f"arm {name}: lib{ARMS[name]['preload']}.so not found (apt-get install"
-                               f" lib{ARMS[name]['preload']}2 / google-perftools)")
+            raise RuntimeError(f"arm {name}: lib{spec['preload']}.so not found (apt-get install"
+                               f" lib{spec['preload']}2 / google-perftools)")
         env["LD_PRELOAD"] = lib
-    env.update(ARMS[name].get("env", {}))
+    env.update(spec.get("env", {}))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
     try:
@@ -222,7 +293,12 @@ def matmul_peaks(seconds: float) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default=str(HERE / "configs" / "small.yaml"), help="a recipe config (model + data)")
-    p.add_argument("--arms", default=DEFAULT_ARMS, help=f"comma-separated, from: {', '.join(ARMS)}; or all")
+    p.add_argument("--arms", default=None, help=f"comma-separated, from: {', '.join(ARMS)}, {TUNED}, each optionally"
+                   f" @RxT (ranks x threads); or all (default: {DEFAULT_ARMS}; with --layouts: none)")
+    p.add_argument("--layouts", default=None, help="'all' (this machine's candidate layouts) or e.g. '1x2,2x1': adds"
+                   f" BASE@RxT for each --layout-arms BASE, and {TUNED}")
+    p.add_argument("--layout-arms", default="auto", help="the base arms of --layouts (auto: lightning-32, horizon,"
+                   " and lightning-bf16 where the CPU has native bf16)")
     p.add_argument("--steps", type=int, default=20, help="measured steps per arm and round")
     p.add_argument("--warmup", type=int, default=5, help="steps before measuring")
     p.add_argument("--rounds", type=int, default=3)
@@ -241,22 +317,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.worker:
         worker(args)
         return {}
-    if args.arms == "all":  # every arm this machine can run (an allocator arm needs its library)
-        arms = [a for a in ARMS if not ARMS[a].get("preload") or find_allocator(ARMS[a]["preload"])]
-    else:
-        arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    bad = [a for a in arms if a not in ARMS]
-    if bad or not arms:
-        raise ValueError(f"--arms={args.arms!r}: unknown {bad}; allowed: {', '.join(ARMS)}")
+    import yaml
+
+    cfg = yaml.safe_load(Path(args.config).read_text())
+    arms, workers, tuned_why = select_arms(args, cfg)
     if not 0 <= args.max_foreign <= 1 or args.retries < 0:
         raise ValueError(f"--max-foreign={args.max_foreign} --retries={args.retries}: allowed are a share in [0, 1]"
                          " and retries >= 0")
     if args.steps < 3 or args.warmup < 1 or args.rounds < 1:
         raise ValueError(f"--steps={args.steps} --warmup={args.warmup} --rounds={args.rounds}: need steps >= 3,"
                          " warmup >= 1, rounds >= 1")
-    import yaml
-
-    cfg = yaml.safe_load(Path(args.config).read_text())
     batch = cfg.get("data", {}).get("batch_size", 16)
     seq = cfg.get("data", {}).get("seq_len", 256)
     started = time.strftime("%Y-%m-%d %H:%M:%S")
@@ -278,7 +348,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 # neighbours as much as the arm: run it again (up to --retries times) and keep the quietest
                 tries = []
                 for attempt in range(args.retries + 1):
-                    tries.append(run_arm(name, args, Path(tmp) / f"{name}.r{r}.{attempt}.json"))
+                    tries.append(run_arm(workers[name], args, Path(tmp) / f"{name}.r{r}.{attempt}.json"))
                     if tries[-1]["foreign"] <= args.max_foreign:
                         break
                 res = min(tries, key=lambda t: t["foreign"])
@@ -297,30 +367,38 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         # the headline: the median step over every measured step of every round (a disturbed round moves it
         # less than it moves a median of per-round medians when rounds are few)
         med = tokens / statistics.median([x for r in rs for x in r["intervals"]])
-        rows.append({"foreign": max(r["foreign"] for r in rs), "arm": name, "procs": rs[0]["world"], "threads": rs[0]["threads"], "tokens_per_sec": med,
+        rows.append({"foreign": max(r["foreign"] for r in rs), "arm": name, "kind": arm_spec(workers[name])["kind"],
+                     "procs": rs[0]["world"], "threads": rs[0]["threads"], "tokens_per_sec": med,
                      "min": min(tps), "max": max(tps), "peak_rss_mib": max(r["rss_sum"] for r in rs) / 2**20,
                      "final_loss": statistics.median(r["final_loss"] for r in rs),
                      "mfu_fp32": med * fpt / peaks["fp32"], "mfu_bf16": med * fpt / peaks["bf16"]})
-    lightning = [r for r in rows if ARMS[r["arm"]]["kind"] == "lightning"]
+    lightning = [r for r in rows if r["kind"] == "lightning"]
     best = max(lightning, key=lambda r: r["tokens_per_sec"]) if lightning else None
+    # Lightning's default layout: one process on every core (devices=1), whichever precision arm ran fastest
+    default = max((r for r in lightning if r["procs"] == 1), key=lambda r: r["tokens_per_sec"], default=None)
     bf16 = next((r for r in rows if r["arm"] == "lightning-bf16"), None)
     finished = time.strftime("%Y-%m-%d %H:%M:%S")
     print(f"\nmatmul peak measured here ({len(os.sched_getaffinity(0))} threads, best seen): fp32"
           f" {peaks['fp32'] / 1e9:.1f} GFLOP/s, bf16 {peaks['bf16'] / 1e9:.1f} GFLOP/s | {started} .. {finished}")
-    header = (f"| {'arm':<23} | procs x threads | tokens/s (min-max)     | vs best Lightning | vs Lightning bf16 |"
-              f" MFU fp32 peak | MFU bf16 peak | peak RSS MiB | final loss | others' load |")
+    header = (f"| {'arm':<23} | procs x threads | tokens/s (min-max)     | vs best Lightning | vs Lightning default |"
+              f" vs Lightning bf16 | MFU fp32 peak | MFU bf16 peak | peak RSS MiB | final loss | others' load |")
     print(header)
     print("|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|")
     for r in rows:
         vs_best = f"{r['tokens_per_sec'] / best['tokens_per_sec']:.2f}x" if best else "-"
         vs_bf16 = f"{r['tokens_per_sec'] / bf16['tokens_per_sec']:.2f}x" if bf16 else "-"
+        vs_default = f"{r['tokens_per_sec'] / default['tokens_per_sec']:.2f}x" if default else "-"
         print(f"| {r['arm']:<23} | {r['procs']} x {r['threads']:<11} | {r['tokens_per_sec']:>8,.0f}"
-              f" ({r['min']:>6,.0f}-{r['max']:<6,.0f}) | {vs_best:>17} | {vs_bf16:>17} | {100 * r['mfu_fp32']:>12.0f}%"
+              f" ({r['min']:>6,.0f}-{r['max']:<6,.0f}) | {vs_best:>17} | {vs_default:>20} | {vs_bf16:>17} |"
+              f" {100 * r['mfu_fp32']:>12.0f}%"
               f" | {100 * r['mfu_bf16']:>12.0f}% | {r['peak_rss_mib']:>12,.0f} | {r['final_loss']:>10.4f} |"
               f" {100 * r['foreign']:>11.0f}% |")
     if best:
-        print(f"best plain Lightning: {best['arm']}")
+        print(f"best plain Lightning: {best['arm']}" + (f"; Lightning default: {default['arm']}" if default else ""))
+    if tuned_why:
+        print(f"{TUNED}: {workers[TUNED].partition('@')[2]} ({tuned_why})")
     result = {"config": args.config, "started": started, "finished": finished, "peaks": peaks, "rows": rows,
+              "tuned": tuned_why,
               "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds, "isa": isa().name}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))

@@ -6,6 +6,7 @@
     python recipes/pretrain_gpt.py fit --config recipes/configs/small.yaml --ckpt_path last   # resume
     python recipes/pretrain_gpt.py fit --data.corpus ~/my_texts --trainer.devices 2           # your data, 2 ranks
     python recipes/pretrain_gpt.py fit --print_config                                         # every option
+    python -m lightning_horizon.tune recipes/pretrain_gpt.py --config recipes/configs/small.yaml   # tune the layout
 
 The command line is LightningCLI: the options are the signatures of ``GPTPretrain`` (model and optimizer),
 ``ByteCorpusDataModule`` (data) and the Trainer, plus one section per always-on callback (``backoff``,
@@ -13,6 +14,11 @@ The command line is LightningCLI: the options are the signatures of ``GPTPretrai
 (bf16 matmuls only where the CPU has native bf16), GradNormBackoff, a CSV logger and checkpoints (``last.ckpt``)
 under ``trainer.default_root_dir``. At the end it prints tokens/s and the final validation perplexity, and writes
 ``loss_curve.png`` next to the logs.
+
+The layout (ranks x threads per rank) is this model's tuned one on this machine (``python -m lightning_horizon.tune``,
+cached), else a rule from the machine and the model's size, with ``data.batch_size`` as the global batch split over
+the ranks; the log says which it took and why. ``--trainer.devices`` or ``--trainer.strategy.threads_per_rank``
+choose your own (``data.batch_size`` is then per rank). See docs/layout.md.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from torchmetrics.text import Perplexity
 
-from _cli import csv_logger_under, drop_unset_ddp_args, horizon_precision_default
+from _cli import auto_layout, csv_logger_under, drop_unset_ddp_args, horizon_precision_default
 from gpt import GPT, GPTConfig
 from lm_data import VOCAB_SIZE, ByteCorpusDataModule
 from report import TrainingReport
@@ -162,7 +168,7 @@ class GPTPretrain(L.LightningModule):
 
 TRAINER_DEFAULTS: dict[str, Any] = {
     "accelerator": "cpu",
-    "devices": 1,
+    "devices": "auto",  # auto: the tuned layout of this model on this machine, else the rule (docs/layout.md)
     "strategy": {"class_path": "lightning_horizon.HorizonStrategy"},
     "plugins": horizon_precision_default(),
     "max_steps": 600,
@@ -199,9 +205,14 @@ class HorizonCLI(LightningCLI):
             cfg.checkpoint.dirpath = os.path.join(root, "checkpoints")
         drop_unset_ddp_args(cfg.trainer.strategy)
         csv_logger_under(cfg, root)
+        taken = auto_layout(cfg, GPTPretrain, "recipes/pretrain_gpt.py")
+        if taken:
+            log.info("pretrain_gpt: %s", taken)
 
 
-def main(args: Optional[list[str]] = None) -> HorizonCLI:
+def main(args: Optional[list[str]] = None, run: bool = True) -> HorizonCLI:
+    """Parse ``args`` (``None``: the command line), build model, data and Trainer, and run the subcommand (with
+    ``run=False``: only build them; ``args`` then has no subcommand)."""
     # no arguments at all is the README job: `python recipes/pretrain_gpt.py` trains with the defaults
     argv = (["fit"] if len(sys.argv) == 1 else None) if args is None else list(args)  # None: LightningCLI reads argv
     if horizon_precision_default() is None:
@@ -213,6 +224,7 @@ def main(args: Optional[list[str]] = None) -> HorizonCLI:
         seed_everything_default=1337,
         save_config_kwargs={"overwrite": True},
         args=argv,
+        run=run,
     )
 
 

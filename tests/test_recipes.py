@@ -230,16 +230,41 @@ def test_monitor_arguments_are_checked():
 
 
 def test_bench_smoke(tmp_path, cache_dir):
+    """A layout arm (Lightning's default layout: one process on both cores) against the tuned arm (an empty layout
+    cache: the rule's layout)."""
     out = run_script(REPO / "recipes" / "bench_vs_lightning.py",
-                     ["--config", TINY, "--arms", "lightning-32,horizon", "--steps", "3", "--warmup", "1",
-                      "--rounds", "1", "--retries", "0", "--peak-seconds", "0.2", "--cache-dir", str(cache_dir), "--json", str(tmp_path / "b.json")],
-                     timeout=120).stdout
-    assert "| horizon " in out and "| lightning-32 " in out and "MFU" in out
+                     ["--config", TINY, "--layouts", "1x2", "--layout-arms", "lightning-32", "--steps", "3",
+                      "--warmup", "1", "--rounds", "1", "--retries", "0", "--peak-seconds", "0.2",
+                      "--cache-dir", str(cache_dir), "--json", str(tmp_path / "b.json")],
+                     env={"HORIZON_LAYOUT_CACHE": str(tmp_path / "no_layouts.json")}, timeout=180).stdout
+    assert "| lightning-32@1x2 " in out and "| horizon-tuned " in out and "MFU" in out
+    assert "vs Lightning default" in out and "Lightning default: lightning-32@1x2" in out
+    tuned = re.search(r"horizon-tuned: (\d+)x(\d+) \(rule: ", out)
+    assert tuned, out[-2000:]
     import json
 
     rows = {r["arm"]: r for r in json.loads((tmp_path / "b.json").read_text())["rows"]}
     assert all(r["tokens_per_sec"] > 0 and math.isfinite(r["final_loss"]) for r in rows.values())
+    assert (rows["lightning-32@1x2"]["procs"], rows["lightning-32@1x2"]["threads"]) == (1, 2)
+    assert (rows["horizon-tuned"]["procs"], rows["horizon-tuned"]["threads"]) == tuple(map(int, tuned.groups()))
+    # the same seed and global batch on every layout: the same training, whatever the split
+    assert rows["horizon-tuned"]["final_loss"] == pytest.approx(rows["lightning-32@1x2"]["final_loss"], rel=1e-3)
 
+
+def test_bench_layout_arms():
+    import bench_vs_lightning as bench
+
+    assert bench.arm_spec("horizon@2x1")["strategy"] == {"threads_per_rank": 1}
+    assert bench.arm_spec("horizon-nopin@4x4")["strategy"] == {"pin_cores": False, "threads_per_rank": 4}
+    spec = bench.arm_spec("lightning-bf16@4x4")
+    assert (spec["procs"], spec["strategy"], spec["env"], spec["precision"]) == (4, "ddp", {"OMP_NUM_THREADS": "4"},
+                                                                                "bf16-mixed")
+    assert bench.arm_spec("lightning-32@1x16")["strategy"] == "auto" and bench.ARMS["horizon"] == {"kind": "horizon",
+                                                                                                  "procs": 1}
+    with pytest.raises(ValueError, match="unknown 'lightning-64'"):
+        bench.arm_spec("lightning-64@2x1")
+    with pytest.raises(ValueError, match="RANKSxTHREADS"):
+        bench.arm_spec("horizon@2")
 
 # ---------------------------------------------------------------------- every recipe script runs, tiny settings
 # (bench_vs_lightning: test_bench_smoke above; pretrain_gpt and risk_classifier: their tests above)

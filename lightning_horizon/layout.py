@@ -1,7 +1,7 @@
 """How a node's cores are split into ranks: the candidate layouts, the machine they are cut from, and the rule.
 
 A layout is ``ranks x threads``: ranks per node (Lightning's ``devices``), each pinned to ``threads`` cores
-(``HorizonStrategy(threads_per_rank=...)``). On a 16-core Xeon with AMX the small GPT trained 1.37-1.58x faster
+(``HorizonStrategy(threads_per_rank=...)``). On a 16-core Xeon with AMX the small GPT trained 1.21-1.58x faster
 as 4 x 4 than as 1 x 16 (docs/layout.md): one process's intra-op threads share every small op's fork-join
 overhead and stream their weights from L3, while ranks run independently between gradient syncs. The measured
 choice is ``python -m lightning_horizon.tune`` (tune.py, cached by layout_cache.py); where nothing was measured,

@@ -61,18 +61,8 @@ SEED = 42
 # ------------------------------------------------------------------ models (Lightning's, plus what they lack)
 
 
-class LoggingBoring(BoringModel):
+class LoggingBoring(compat_cli.CLIBoring):
     """BoringModel that logs its losses (BoringModel itself logs nothing): train per rank, val/test synced."""
-
-    def training_step(self, batch, batch_idx):
-        out = super().training_step(batch, batch_idx)
-        self.log("train_loss", out["loss"])
-        return out
-
-    def validation_step(self, batch, batch_idx):
-        loss = self.step(batch)
-        self.log("val_loss", loss, sync_dist=True)
-        return {"x": loss}
 
     def test_step(self, batch, batch_idx):
         loss = self.step(batch)

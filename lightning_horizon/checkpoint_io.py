@@ -7,14 +7,15 @@ checkpoint intact and, at worst, a ``.tmp`` file that the next save in that dire
 
 Unlike Lightning's default (which serializes into an in-memory buffer first), nothing is held in memory twice:
 that matters for the large checkpoints CPU machines write. Remote paths (``s3://`` ...) go to Lightning's own
-implementation.
+implementation. ``atomic_file`` is the same write for any file (the layout cache uses it).
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
-from typing import Any, Optional
+from contextlib import contextmanager
+from typing import Any, BinaryIO, Iterator, Optional, Union
 
 import torch
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
@@ -32,24 +33,33 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if storage_options is not None or not _is_local_file_protocol(path):
             super().save_checkpoint(checkpoint, path, storage_options)
             return
-        path = os.fspath(path)
-        directory = os.path.dirname(os.path.abspath(path))
-        os.makedirs(directory, exist_ok=True)
-        _remove_stale_tmp(directory, os.path.basename(path))
-        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=_TMP_SUFFIX, dir=directory)
-        try:
-            # mkstemp creates the file 0600; torch.save and Lightning's own IO create it 0666 minus the umask
-            os.fchmod(fd, 0o666 & ~_umask())
-            with os.fdopen(fd, "wb") as f:
-                torch.save(checkpoint, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            raise
-        _fsync_dir(directory)
+        with atomic_file(path) as f:
+            torch.save(checkpoint, f)
+
+
+@contextmanager
+def atomic_file(path: Union[str, os.PathLike]) -> Iterator[BinaryIO]:
+    """A binary file that becomes ``path`` only when the block ends without an error: written to a temporary file
+    in the same directory, fsynced, renamed over ``path``, the directory fsynced; the previous ``path`` is intact
+    until then, and a temporary file left by a process killed mid-write is removed by the next write."""
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    _remove_stale_tmp(directory, os.path.basename(path))
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=_TMP_SUFFIX, dir=directory)
+    try:
+        # mkstemp creates the file 0600; torch.save and Lightning's own IO create it 0666 minus the umask
+        os.fchmod(fd, 0o666 & ~_umask())
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    _fsync_dir(directory)
 
 
 def _umask() -> int:

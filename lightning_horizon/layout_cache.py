@@ -14,7 +14,6 @@ import datetime
 import hashlib
 import json
 import os
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any, Optional
@@ -22,6 +21,7 @@ from typing import Any, Optional
 import torch
 
 from lightning_horizon import cpu
+from lightning_horizon.checkpoint_io import atomic_file
 from lightning_horizon.layout import Layout, Machine, rule_layout
 
 CACHE_ENV = "HORIZON_LAYOUT_CACHE"
@@ -81,17 +81,9 @@ def store(workload: dict[str, Any], entry: dict[str, Any], path: Optional[str | 
     k = key(workload, machine)
     entries[k] = {"tuned_at": datetime.datetime.now().isoformat(timespec="seconds"), **entry,
                   "workload": _canonical(workload), "machine": machine_facts(machine)}
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump({"version": _VERSION, "entries": entries}, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, p)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    text = json.dumps({"version": _VERSION, "entries": entries}, indent=1, sort_keys=True)
+    with atomic_file(p) as f:
+        f.write(text.encode())
     return k
 
 

@@ -151,7 +151,7 @@ def run_worker(cmd: Sequence[str], env: dict[str, str], timeout: float) -> tuple
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         log, _ = proc.communicate()
-        return -9, f"timed out after {timeout:.0f} s\n{log}"
+        return -9, f"{log}\ntimed out after {timeout:.0f} s"  # last: callers show the log's tail
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -42,7 +42,6 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -51,6 +50,7 @@ from typing import Any
 
 from lightning_horizon.cpu import JEMALLOC_CONF, isa
 from lightning_horizon.layout import Layout, Machine, candidates
+from lightning_horizon.tune import run_worker
 from lightning_horizon.cpu import machine_busy_seconds
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -256,21 +256,9 @@ def run_arm(name: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
                                f" lib{spec['preload']}2 / google-perftools)")
         env["LD_PRELOAD"] = lib
     env.update(spec.get("env", {}))
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        log, _ = proc.communicate()
-        raise RuntimeError(f"arm {name} timed out after {args.timeout}s:\n{log[-3000:]}")
-    finally:
-        try:
-            os.killpg(proc.pid, 9)  # ranks a launcher left behind
-        except ProcessLookupError:
-            pass
-    if proc.returncode != 0 or not out.exists():
-        raise RuntimeError(f"arm {name} failed (exit {proc.returncode}):\n{log[-3000:]}")
+    rc, log = run_worker(cmd, env, args.timeout)  # its own process group, killed at the end (ranks left behind)
+    if rc != 0 or not out.exists():
+        raise RuntimeError(f"arm {name} failed (exit {rc}):\n{log[-3000:]}")
     res = json.loads(out.read_text())
     res["intervals"] = [b - a for a, b in zip(res["ends"][args.warmup - 1:], res["ends"][args.warmup:])]
     res["step_s"] = statistics.median(res["intervals"])

@@ -6,14 +6,17 @@ fsynced so the rename itself survives a power loss. A process killed at any poin
 checkpoint intact and, at worst, a ``.tmp`` file that the next save in that directory removes.
 
 Unlike Lightning's default (which serializes into an in-memory buffer first), nothing is held in memory twice:
-that matters for the large checkpoints CPU machines write. Remote paths (``s3://`` ...) go to Lightning's own
-implementation. ``atomic_file`` is the same write for any file (the layout cache uses it).
+that matters for the large checkpoints CPU machines write. Loading memory-maps the file (``torch.load(mmap=True)``):
+every rank of a node reads the same page cache instead of deserializing its own copy, and what a rank does not take
+(node-sharded state keeps its own share of the optimizer state) is never read. Remote paths (``s3://`` ...) go to
+Lightning's own implementation. ``atomic_file`` is the same write for any file (the layout cache uses it).
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+import zipfile
 from contextlib import contextmanager
 from typing import Any, BinaryIO, Iterator, Optional, Union
 
@@ -35,6 +38,14 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             return
         with atomic_file(path) as f:
             torch.save(checkpoint, f)
+
+    @override
+    def load_checkpoint(
+        self, path: Any, map_location: Optional[Any] = lambda storage, loc: storage, weights_only: Optional[bool] = None
+    ) -> dict[str, Any]:
+        if not _is_local_file_protocol(path) or not os.path.isfile(path) or not zipfile.is_zipfile(path):
+            return super().load_checkpoint(path, map_location, weights_only)  # remote, missing, or the legacy format
+        return torch.load(path, map_location=map_location, weights_only=weights_only, mmap=True)
 
 
 @contextmanager

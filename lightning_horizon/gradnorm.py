@@ -5,27 +5,44 @@ One function serves HorizonPrecision's clipping and GradNormBackoff, so both see
 
 from __future__ import annotations
 
-from typing import Iterable
+import math
+from typing import Iterable, Optional
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 
-def total_norm_fp32(parameters: Iterable[Tensor], norm_type: float = 2.0) -> Tensor:
+def total_norm_fp32(
+    parameters: Iterable[Tensor], norm_type: float = 2.0, group: Optional[dist.ProcessGroup] = None
+) -> Tensor:
     """The ``norm_type`` norm over all gradients of ``parameters``, accumulated in fp32 (float64 for float64
     gradients) as a 0-dim tensor.
 
     Parameters without a gradient are ignored; with none at all the norm is 0. Non-finite gradients give a
     non-finite norm (nothing is masked), which is what a caller that skips bad steps needs to see.
+
+    ``group``: the gradients are sharded over its ranks (node-sharded state: each rank holds the gradients of the
+    parameters it owns). Each rank's share (sum of ``|g|^p``, or the max for the inf-norm) is all-reduced over the
+    group, so every rank gets the norm of the whole gradient, the same value on each.
     """
+    parameters = list(parameters)
     grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
-        return torch.zeros((), dtype=torch.float32)
     dtype = torch.float32  # float64 gradients (precision="64-true") keep their own precision
-    for g in grads:
-        dtype = torch.promote_types(dtype, g.dtype)
+    for p in parameters:  # the parameters' too: a rank holding none of the gradients must sum in the same dtype
+        for t in (p, p.grad):
+            if t is not None and t.is_floating_point():
+                dtype = torch.promote_types(dtype, t.dtype)
     norms = [torch.linalg.vector_norm(g.detach(), norm_type, dtype=dtype) for g in grads]
-    return torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    local = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else torch.zeros((), dtype=dtype)
+    if group is None:
+        return local
+    if math.isinf(norm_type):
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+        return local
+    share = local.pow(norm_type) if norms else local
+    dist.all_reduce(share, group=group)
+    return share.pow(1.0 / norm_type)
 
 
 def clip_grads_(parameters: Iterable[Tensor], max_norm: float, total_norm: Tensor) -> float:

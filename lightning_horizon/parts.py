@@ -81,6 +81,10 @@ class Parts:
             part.load_state_dict(self._saved.pop(name))
         return part
 
+    def remove(self, name: str) -> None:
+        """Forget the part ``name`` (if any): it has torn down and must not take part in what follows."""
+        self._parts.pop(name, None)
+
     def get(self, name: str) -> Optional[Any]:
         return self._parts.get(name)
 

@@ -13,10 +13,12 @@ truth (fp32 training, bf16-mixed).
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch import Tensor
+
+from lightning_horizon.gradnorm import total_norm_fp32
 
 MODULE, MASTER, COMPENSATED = "module", "fp32 master", "bf16 + compensation"
 
@@ -28,6 +30,29 @@ class TrainingState:
         self._masters: dict[Tensor, Tensor] = {}  # module parameter -> fp32 master
         self._compensation: dict[Tensor, Tensor] = {}  # module parameter -> bf16 Kahan compensation
         self._param_of: dict[Tensor, Tensor] = {}  # fp32 master -> its module parameter
+        self._owns: Optional[Callable[[Tensor], bool]] = None  # node-sharded state: the parameters this rank steps
+        #: node-sharded state: the ranks the gradients are sharded over (each rank keeps those it owns); the
+        #: gradient norm is all-reduced over it (``grad_norm``). ``None``: every rank holds every gradient.
+        self.grad_group: Optional[Any] = None
+
+    # ------------------------------------------------------------------ ownership (node-sharded state)
+
+    def shard(self, owns: Callable[[Tensor], bool], grad_group: Optional[Any]) -> None:
+        """From now on this rank steps (and keeps masters, compensations, gradients and optimizer state for) only
+        the parameters ``owns`` accepts; the others are stepped by another rank of ``grad_group``."""
+        self._owns, self.grad_group = owns, grad_group
+
+    def unshard(self) -> None:
+        self._owns, self.grad_group = None, None
+
+    def owns(self, param: Tensor) -> bool:
+        """Whether this rank steps ``param`` (a module parameter or its master): always, unless state is sharded."""
+        return self._owns is None or self._owns(self.parameter_of(param))
+
+    def grad_norm(self, params: Iterable[Tensor], norm_type: float = 2.0) -> Tensor:
+        """The fp32 norm of the whole gradient of ``params``, the same on every rank, also when each rank holds only
+        the gradients it owns."""
+        return total_norm_fp32(params, norm_type, self.grad_group)
 
     # ------------------------------------------------------------------ registration (precision policies)
 

@@ -13,8 +13,9 @@ import atexit
 import inspect
 import logging
 import os
+from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Generator, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -33,7 +34,9 @@ from lightning_horizon.rng import RNGState
 from lightning_horizon.state import TrainingState
 from lightning_horizon.sharding import GraphSharder, ShardingConfig, resolve_sharding
 from lightning_horizon.collectives import CollectivesConfig, GradientSync
-from lightning_horizon.strategy_args import ccl_available, check_arguments
+from lightning_horizon.node_state import NodeState
+from lightning_horizon.node_state import checkpoint as node_checkpoint
+from lightning_horizon.strategy_args import ccl_available, check_arguments, check_state
 from lightning_horizon.topology import ProcessGroups, Topology, check_ranks_per_node, placement_table
 
 log = logging.getLogger(__name__)
@@ -77,6 +80,15 @@ class HorizonStrategy(DDPStrategy):
         torus_shape: ``(X, Y)`` for ``torus2d``, X ranks per row, X * Y = world size; ``None``: X = ranks per node.
         cost_model: link constants for ``"auto"`` instead of the setup probe: a ``CostModel`` or
             ``{"intra": (alpha_s, beta_s_per_byte), "inter": (alpha_s, beta_s_per_byte)}``.
+        state: ``"replicated"`` (every rank holds the whole training state, as DDP) or ``"node_sharded"`` (one copy
+            of the weights per node in shared memory; each local rank owns a share of the parameters, balanced by
+            bytes, and keeps their gradients, optimizer state and masters only). See docs/node_state.md.
+        node_weights: with ``"node_sharded"``: ``"shared"`` (one copy of the weights per node in ``/dev/shm``; the
+            owners write it in place) or ``"copies"`` (a copy per rank; each owner broadcasts its updated parameters
+            inside the node after every step: L copies per node, no shared-memory folder needed).
+        state_checkpoint: with ``"node_sharded"``: ``"full"`` (rank 0 writes one checkpoint with everything, as a
+            replicated run does) or ``"per_rank"`` (each rank writes its share to ``<checkpoint>.state/``, in
+            parallel, nothing gathered; loads into any layout too, as long as the folder is next to the file).
         ddp_comm_state, ddp_comm_hook, ddp_comm_wrapper: a DDP comm hook of your own, registered on CPU too
             (instead of ``collectives``, which must then stay at its defaults).
         **kwargs: passed to ``DDPStrategy`` and on to ``DistributedDataParallel`` (e.g. ``static_graph``).
@@ -105,6 +117,9 @@ class HorizonStrategy(DDPStrategy):
         sync_warmup_steps: int = 0,
         torus_shape: Optional[tuple[int, int]] = None,
         cost_model: Optional[Any] = None,
+        state: str = "replicated",
+        node_weights: str = "shared",
+        state_checkpoint: str = "full",
         **kwargs: Any,
     ) -> None:
         # Every check runs here, in the Trainer's constructor: before a launcher starts a process or a group.
@@ -117,6 +132,8 @@ class HorizonStrategy(DDPStrategy):
             torus_shape=torus_shape,
             cost_model=cost_model,
         )
+        check_state(state, node_weights, state_checkpoint, collectives, compression, sync_every,
+                    kwargs.get("ddp_comm_hook"))
         seconds = check_arguments(
             ranks_per_node=ranks_per_node, bucket_size_mb=bucket_size_mb, timeout=timeout,
             process_group_backend=process_group_backend, pin_cores=pin_cores, threads_per_rank=threads_per_rank,
@@ -150,6 +167,10 @@ class HorizonStrategy(DDPStrategy):
         self._training_state = TrainingState()
         self._thread_settings: Optional[cpu.ThreadSettings] = None
         self._warn_unused = False
+        self.state = state
+        self._state_checkpoint = state_checkpoint
+        self._node_weights_mode = node_weights
+        self._sync_backward = True  # False inside block_backward_sync (accumulation micro-batches)
 
     # ------------------------------------------------------------------ processes, groups, cores
 
@@ -164,10 +185,16 @@ class HorizonStrategy(DDPStrategy):
         ranks; ``None`` with one process or a comm hook of your own."""
         return self.parts.get("collectives")
 
+    @property
+    def node_state(self) -> Optional[NodeState]:
+        """The node-sharded state (owners, shared weights, gradient path) while fitting with
+        ``state="node_sharded"`` on several ranks per node; ``None`` otherwise."""
+        return self.parts.get("node_state")
+
     def comm_metrics(self) -> dict[str, float]:
         """The last step's communication figures (bytes per link class, seconds); empty without gradient sync."""
-        sync = self.gradient_sync
-        return sync.metrics() if sync is not None else {}
+        sync, node = self.gradient_sync, self.node_state
+        return sync.metrics() if sync is not None else node.metrics() if node is not None else {}
 
     @property
     def nodes_diverge(self) -> bool:
@@ -272,6 +299,17 @@ class HorizonStrategy(DDPStrategy):
             # warn after the first step (unless the user already allows them).
             self._warn_unused = not self._ddp_kwargs.get("find_unused_parameters", False)
             return model
+        if self.state == "node_sharded" and self.topology is not None and self.topology.ranks_per_node > 1:
+            # No DDP: the weights move into the node's shared memory and the gradients take the owners' path
+            # (node_state/). Before the optimizers and the precision plugin connect: masters only for what we own.
+            assert self.process_groups is not None
+            node = NodeState(model, self.process_groups, int(self._ddp_kwargs["bucket_cap_mb"] * 2**20),
+                             self.training_state, self.precision_plugin, self._node_weights_mode)
+            node.install()
+            self.parts.add("node_state", node)
+            return model
+        if self.state == "node_sharded" and self.global_rank == 0:
+            log.info("HorizonStrategy(state='node_sharded'): one rank per node holds everything; replicated")
         return super()._setup_model(model)
 
     def _comm_hook(self) -> tuple[Optional[object], Optional[Callable]]:
@@ -287,6 +325,8 @@ class HorizonStrategy(DDPStrategy):
 
     @override
     def _register_ddp_hooks(self) -> None:
+        if self.node_state is not None:
+            return  # no DDP wrapper: the owners' gradient path instead
         # Lightning registers comm hooks on CUDA only and drops them silently on CPU; register on every device.
         state, hook = self._comm_hook()
         if hook is None:
@@ -306,6 +346,8 @@ class HorizonStrategy(DDPStrategy):
         if self._node_weights is not None:
             self.lightning_module.load_state_dict(self._node_weights)
             self._node_weights = None
+        if self.node_state is not None:
+            self.node_state.setup(trainer, self.lightning_module, self.optimizers)
         if self._sharding is None and trainer.state.fn == TrainerFn.FITTING:
             self._check_memory()  # with sharding, the first plan checks this and the activations too
         if self._sharding is not None and "sharding" not in self.parts:
@@ -323,12 +365,60 @@ class HorizonStrategy(DDPStrategy):
     def _check_memory(self) -> None:
         """Fail at setup, on every rank, when gradients and optimizer state cannot fit (see memory/check.py)."""
         assert self.topology is not None and self.lightning_module is not None
-        need = memory.training_memory(self.lightning_module, self.optimizers, self.precision_plugin)
+        node = self.node_state
+        need = memory.training_memory(
+            self.lightning_module, self.optimizers, self.precision_plugin,
+            owns=node.owns if node is not None else None,
+            weights_shared_by=self.topology.ranks_per_node if node is not None and node.weights_mode == "shared" else 1,
+        )
         row = memory.rank_row(self.global_rank, self.topology.node_rank, self.num_processes, need)
         memory.check_fit(self._all_gather_objects(row))  # every rank decides alike: none is left waiting
 
+    # ------------------------------------------------------------------ node-sharded state: backward and step
+
+    @override
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        if self.node_state is None:
+            with super().block_backward_sync():
+                yield
+            return
+        self._sync_backward = False  # as DDP.no_sync: gradients stay local and whole until the window's last
+        try:
+            yield
+        finally:
+            self._sync_backward = True
+
+    @override
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        super().pre_backward(closure_loss)
+        if self.node_state is not None:
+            self.node_state.pre_backward(self._sync_backward)
+
+    @override
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        super().post_backward(closure_loss)
+        if self.node_state is not None:
+            self.node_state.post_backward()
+
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        node = self.node_state
+        if node is None:
+            return self._optimizer_step(optimizer, closure, model, **kwargs)
+
+        # The closure (forward, backward) runs inside the step: carried gradients settle after it, before the
+        # optimizer; the owners' writes to the shared weights are done before any rank of the node reads them.
+        def settled() -> Any:
+            out = closure()
+            node.before_step()
+            return out
+
+        output = self._optimizer_step(optimizer, settled, model, **kwargs)
+        node.after_step()
+        return output
+
+    def _optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self._warn_unused:
             self._warn_unused = False
@@ -370,6 +460,7 @@ class HorizonStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         self.parts.teardown()  # the sharder uninstalls: the module leaves fit exactly as it came in
+        self.parts.remove("node_state")  # the weights are the module's own again: validate/test run replicated
         super().teardown()
         if self._thread_settings is not None:
             self._thread_settings.restore()
@@ -381,20 +472,50 @@ class HorizonStrategy(DDPStrategy):
         # Called on every rank; the parts' state differs per rank (RNG, error feedback, plans), so gather it
         # to rank 0, which writes the file.
         self.parts.before_save(self.model)  # e.g. the bucket layout the next step reduces in (collective)
+        files = self._save_node_state(checkpoint, filepath) if self.node_state is not None else 0
         states = self.parts.state_dicts()
         if self.nodes_diverge and self.topology.local_rank == 0 and self.topology.node_rank > 0:
             states[NODE_KEY] = node_state(checkpoint, type(self.precision_plugin).__qualname__)
         ranks = self._gather_objects(states)
         if ranks is not None:
-            checkpoint[_CHECKPOINT_KEY] = {"world_size": self.world_size, "ranks": ranks}
+            checkpoint[_CHECKPOINT_KEY] = {"world_size": self.world_size, "ranks": ranks, "state_files": files}
         super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    def _save_node_state(self, checkpoint: dict[str, Any], filepath: Any) -> int:
+        """Each rank holds its parameters' optimizer state and masters (node 0's ranks hold everything; the other
+        nodes send nothing): gathered into rank 0's checkpoint, as one replicated run writes it, or written by
+        each rank to its own file (``state_checkpoint="per_rank"``). Returns the number of such files."""
+        assert self.topology is not None
+        key = type(self.precision_plugin).__qualname__
+        mine = node_checkpoint.local_part(checkpoint, key) if self.topology.node_rank == 0 else None
+        if self._state_checkpoint == "full" or "optimizer_states" not in checkpoint:
+            parts = self._gather_objects(mine)
+            if parts is not None:
+                node_checkpoint.merge(checkpoint, [p for p in parts if p is not None], key)
+            return 0
+        if mine is not None:
+            node_checkpoint.write_part(mine, filepath, self.topology.local_rank)
+        self.barrier("per-rank state written")  # before rank 0 writes the checkpoint that names the files
+        node_checkpoint.strip(checkpoint, key)
+        return self.topology.ranks_per_node
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        super().remove_checkpoint(filepath)
+        if self.is_global_zero:
+            node_checkpoint.remove_parts(filepath)  # a per-rank checkpoint's folder goes with it
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         saved = checkpoint.get(_CHECKPOINT_KEY)
         trainer = getattr(self.lightning_module, "_trainer", None)
-        if saved is None or (trainer is not None and trainer.state.fn != TrainerFn.FITTING):
+        fitting = trainer is None or trainer.state.fn == TrainerFn.FITTING
+        if fitting and saved is not None and saved.get("state_files") and "optimizer_states" in checkpoint:
+            # saved per rank (node-sharded): back into the dicts a full checkpoint has, whatever this run's layout
+            key = type(self.precision_plugin).__qualname__
+            node_checkpoint.merge(checkpoint, node_checkpoint.read_parts(checkpoint_path, saved["state_files"]), key)
+        if saved is None or not fitting:
             # validate/test/predict(ckpt_path=...) take the weights only, as under DDP: the per-rank state (RNG,
             # error feedback, plans) is for resuming training, and restoring the RNG would move the user's draws
             return checkpoint
@@ -412,6 +533,19 @@ class HorizonStrategy(DDPStrategy):
                 checkpoint, saved["ranks"], self.topology.node_rank, self.topology.ranks_per_node
             )
         return checkpoint
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        node = self.node_state
+        if node is None:
+            return super().load_optimizer_state_dict(checkpoint)
+        # a full checkpoint (any layout): each rank takes the state of the parameters it owns, nothing more
+        owned = dict(checkpoint)
+        owned["optimizer_states"] = [
+            node_checkpoint.owned_optimizer_state(s, [p for g in opt.param_groups for p in g["params"]], node.owns)
+            for opt, s in zip(self.optimizers, checkpoint["optimizer_states"])
+        ]
+        return super().load_optimizer_state_dict(owned)
 
     def _gather_objects(self, obj: Any) -> Optional[list[Any]]:
         """Every rank's ``obj`` on rank 0 (``None`` elsewhere): only rank 0 writes the checkpoint. Tensors travel

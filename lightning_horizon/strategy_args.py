@@ -20,6 +20,11 @@ from lightning_horizon.checks import check_one_of, is_int, is_number, require
 from lightning_horizon.topology import check_ranks_per_node
 
 OWNER = "HorizonStrategy"
+STATES = ("replicated", "node_sharded")
+STATE_CHECKPOINTS = ("full", "per_rank")
+NODE_WEIGHTS = ("shared", "copies")
+#: the collectives a node-sharded run accepts: its gradient path (node_state/reduce.py) is always two-level
+NODE_SHARDED_COLLECTIVES = ("flat", "hierarchical", "auto")
 BACKENDS = ("gloo", "ccl", "mpi", "nccl")
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 
@@ -89,4 +94,35 @@ def check_ddp_kwargs(kwargs: dict[str, Any], named: set[str]) -> None:
         )
 
 
-__all__ = ["BACKENDS", "START_METHODS", "ccl_available", "check_arguments", "check_ddp_kwargs"]
+def check_state(
+    state: Any, node_weights: Any, state_checkpoint: Any, collectives: Any, compression: Any, sync_every: Any,
+    ddp_comm_hook: Any,
+) -> None:
+    """``state`` is one of :data:`STATES`; ``"node_sharded"`` refuses, by name, the options its gradient path does
+    not implement."""
+    check_one_of(OWNER, "state", state, STATES)
+    check_one_of(OWNER, "node_weights", node_weights, NODE_WEIGHTS)
+    check_one_of(OWNER, "state_checkpoint", state_checkpoint, STATE_CHECKPOINTS)
+    if state != "node_sharded":
+        for name, value, default in (("node_weights", node_weights, "shared"),
+                                     ("state_checkpoint", state_checkpoint, "full")):
+            if value != default:
+                raise ValueError(f"{name}={value!r} with state={state!r}: an option of state='node_sharded'; leave"
+                                 f" it at {default!r} or pass state='node_sharded'")
+        return
+    why = "node_sharded reduces each gradient bucket to its owner in the node, then across nodes among owners"
+    if collectives not in NODE_SHARDED_COLLECTIVES:
+        raise ValueError(f"collectives={collectives!r} with state='node_sharded': not supported ({why}); allowed:"
+                         f" {', '.join(map(repr, NODE_SHARDED_COLLECTIVES))}, or state='replicated'")
+    if compression is not None:
+        raise ValueError(f"compression={compression!r} with state='node_sharded': not supported ({why}, uncompressed);"
+                         " use compression=None, or state='replicated'")
+    if sync_every != 1:
+        raise ValueError(f"sync_every={sync_every!r} with state='node_sharded': not supported (local SGD averages"
+                         " every rank's whole weights); use sync_every=1, or state='replicated'")
+    if ddp_comm_hook is not None:
+        raise ValueError(f"ddp_comm_hook={ddp_comm_hook!r} with state='node_sharded': the node-sharded gradient path"
+                         " replaces DDP's; use state='replicated' for a hook of your own")
+
+
+__all__ = ["BACKENDS", "STATES", "check_state", "START_METHODS", "ccl_available", "check_arguments", "check_ddp_kwargs"]

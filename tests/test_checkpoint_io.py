@@ -84,3 +84,17 @@ def test_checkpoint_file_mode_follows_the_umask_like_torch_save(tmp_path):
             assert ours.stat().st_mode & 0o777 == theirs.stat().st_mode & 0o777 == 0o666 & ~mask
     finally:
         os.umask(old)
+
+
+def test_load_memory_maps_the_file(tmp_path):
+    """Every rank of a node reads one page cache: the loaded tensors are views of the mapped file, not copies (a
+    legacy-format file still loads, copied)."""
+    io, path = AtomicCheckpointIO(), tmp_path / "c.ckpt"
+    state = {"w": torch.arange(1 << 16, dtype=torch.float32), "step": 3}
+    io.save_checkpoint(state, path)
+    loaded = io.load_checkpoint(path)
+    assert torch.equal(loaded["w"], state["w"]) and loaded["step"] == 3
+    assert str(path) in Path("/proc/self/maps").read_text()
+    legacy = tmp_path / "legacy.ckpt"
+    torch.save(state, legacy, _use_new_zipfile_serialization=False)
+    assert torch.equal(io.load_checkpoint(legacy)["w"], state["w"])

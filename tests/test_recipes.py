@@ -321,3 +321,17 @@ def test_grad_norm_backoff_demo_smoke(tmp_path, monkeypatch, capsys):
     grad_norm_backoff_demo.main()
     assert "spikes=2 skipped_steps=1 " in capsys.readouterr().out
     assert png.stat().st_size > 1000
+
+
+def test_bench_state_smoke(cache_dir):
+    """Every arm runs, each in its own process group, in 4 runs of 2 ranks (tiny GPT, 2 steps): replicated and
+    node_sharded-copies compared (the table has both and their ratio), and a one-candidate --fit-memory search for
+    replicated and node_sharded (shared weights) that reports both sizes."""
+    out = run_script(REPO / "recipes" / "bench_state.py", ["--smoke", "--arms", "replicated,node_sharded-copies",
+                                                          "--fit-memory", "64GiB", "--cache-dir", str(cache_dir),
+                                                          "--timeout", "120"], timeout=240).stdout
+    assert "| 2 x 1 | replicated |" in out and "| 2 x 1 | node_sharded-copies |" in out, out[-3000:]
+    assert re.search(r"\| 2 \| node_sharded-copies / replicated \| [\d.]+x \|", out), out[-3000:]
+    assert "peak memory per node: " in out and "CPU: " in out
+    assert "largest replicated: n_embd 64" in out and "largest node_sharded: n_embd 64" in out, out[-3000:]
+    assert "ratio node_sharded / replicated (parameters that fit): 1.00x" in out

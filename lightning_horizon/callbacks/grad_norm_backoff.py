@@ -296,6 +296,9 @@ class GradNormBackoff(Callback):
         plugin = trainer.precision_plugin
         if isinstance(plugin, HorizonPrecision) and plugin.last_grad_norm is not None and self.norm_type == 2.0:
             return plugin.last_grad_norm
+        state = getattr(trainer.strategy, "training_state", None)  # HorizonStrategy: summed over node-sharded state
+        if state is not None:
+            return state.grad_norm(params, self.norm_type)
         return total_norm_fp32(params, self.norm_type)
 
     def _zscore_limit(self, st: BackoffState) -> Optional[float]:

@@ -11,8 +11,9 @@ planning them is what sharding does.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
+from torch import Tensor
 from torch.nn import Module
 
 from lightning_horizon.memory.estimate import gradients_pending, held_bytes, optimizer_state_pending
@@ -23,14 +24,20 @@ class InsufficientMemoryError(MemoryError):
     """Training cannot fit: raised at setup, on every rank, before the first step."""
 
 
-def training_memory(module: Module, optimizers: list[Any], precision: Any = None) -> dict[str, int]:
+def training_memory(
+    module: Module, optimizers: list[Any], precision: Any = None, owns: Optional[Callable[[Tensor], bool]] = None,
+    weights_shared_by: int = 1,
+) -> dict[str, int]:
     """Bytes for the parameters (resident now, master copies included), and estimates of the gradients and the
-    optimizer state still to be allocated; ``pending`` is the sum of the last two."""
+    optimizer state still to be allocated; ``pending`` is the sum of the last two.
+
+    Under node-sharded state (``owns``: the parameters this rank keeps gradients and state for) the weights are one
+    copy per node, ``weights_shared_by`` ranks: this rank's share is counted."""
     held = held_bytes(module, optimizers, precision)
-    grads = gradients_pending(optimizers)
-    state = optimizer_state_pending(optimizers)
-    return {"parameters": held["weights"] + held["master"], "gradients": grads, "optimizer_state": state,
-            "pending": grads + state}
+    grads = gradients_pending(optimizers, owns)
+    state = optimizer_state_pending(optimizers, owns)
+    return {"parameters": held["weights"] // weights_shared_by + held["master"], "gradients": grads,
+            "optimizer_state": state, "pending": grads + state}
 
 
 def rank_row(rank: int, node: int, local_world_size: int, need: dict[str, int]) -> dict[str, Any]:

@@ -9,44 +9,49 @@ module's parameters and the optimizers.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
 
-def optimizer_state_pending(optimizers: Any) -> int:
-    """Bytes of optimizer state not allocated yet (torch optimizers allocate it lazily, at their first step).
+def state_tensors(optimizer: Any) -> int:
+    """Per-element state tensors ``optimizer`` keeps per parameter: 2 for the Adam family (two moments), 1 for SGD
+    with momentum and RMSprop, 0 for plain SGD, 2 for anything else (a conservative guess that a first re-plan
+    corrects)."""
+    opt = getattr(optimizer, "optimizer", optimizer)  # LightningOptimizer wraps the torch one
+    name = type(opt).__name__
+    if name == "SGD":
+        return 1 if any(g.get("momentum", 0) for g in opt.param_groups) else 0
+    return 1 if name == "RMSprop" else 2
 
-    Per parameter byte: 2 for the Adam family (two moments), 1 for SGD with momentum and RMSprop, 0 for plain
-    SGD, 2 for anything else (a conservative guess that a first re-plan corrects).
-    """
+
+def optimizer_state_pending(optimizers: Any, owns: Optional[Callable[[Tensor], bool]] = None) -> int:
+    """Bytes of optimizer state not allocated yet (torch optimizers allocate it lazily, at their first step):
+    :func:`state_tensors` per parameter byte, for the parameters this rank steps (``owns``; all by default)."""
     total, seen = 0, set()
     for opt in optimizers or ():
-        opt = getattr(opt, "optimizer", opt)  # LightningOptimizer wraps the torch one
-        name = type(opt).__name__
-        if name == "SGD":
-            factor = 1 if any(g.get("momentum", 0) for g in opt.param_groups) else 0
-        elif name == "RMSprop":
-            factor = 1
-        else:
-            factor = 2
+        opt = getattr(opt, "optimizer", opt)
+        factor = state_tensors(opt)
         for group in opt.param_groups:
             for p in group["params"]:
-                if id(p) in seen or opt.state.get(p):
+                if id(p) in seen or opt.state.get(p) or (owns is not None and not owns(p)):
                     continue
                 seen.add(id(p))
                 total += factor * p.numel() * p.element_size()
     return total
 
 
-def gradients_pending(optimizers: Any) -> int:
-    """Bytes of gradients not allocated yet: one per trainable parameter byte whose ``.grad`` is still None."""
+def gradients_pending(optimizers: Any, owns: Optional[Callable[[Tensor], bool]] = None) -> int:
+    """Bytes of gradients not allocated yet: one per trainable parameter byte whose ``.grad`` is still None (of the
+    parameters whose gradients this rank keeps, ``owns``; all by default)."""
     total, seen = 0, set()
     for opt in optimizers:
         for group in getattr(opt, "optimizer", opt).param_groups:  # LightningOptimizer wraps the torch one
             for p in group["params"]:
+                if owns is not None and not owns(p):
+                    continue
                 if p.requires_grad and p.grad is None and id(p) not in seen:
                     seen.add(id(p))
                     total += p.numel() * p.element_size()
@@ -95,4 +100,4 @@ def bytes_per_param(mode: str, master: Optional[str] = None, state_tensors: int 
     return parts
 
 
-__all__ = ["bytes_per_param", "gradients_pending", "held_bytes", "optimizer_state_pending"]
+__all__ = ["bytes_per_param", "gradients_pending", "held_bytes", "optimizer_state_pending", "state_tensors"]

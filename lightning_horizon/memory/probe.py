@@ -34,17 +34,33 @@ def current_rss() -> int:
     return psutil.Process().memory_info().rss
 
 
+def current_pss() -> int:
+    """This process's proportional set size now, in bytes: its private pages plus its share of the pages it maps
+    with other processes (the node's one copy of the weights under node-sharded state counts 1/L on each of its L
+    ranks, where RSS counts it whole on each). Summed over a node's processes it is the node's memory."""
+    pss = _proc_kib("/proc/self/smaps_rollup", "Pss:")
+    return pss if pss is not None else current_rss()
+
+
 def peak_rss() -> int:
     """This process's RSS high-water mark (since start or the last :func:`reset_peak_rss`), in bytes."""
+    peak = _proc_kib("/proc/self/status", "VmHWM:")
+    if peak is not None:
+        return peak
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # cannot be reset
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
+
+
+def _proc_kib(path: str, key: str) -> Optional[int]:
+    """The ``key: N kB`` line of a /proc file, in bytes (None where the file or the line is missing)."""
     try:
-        with open("/proc/self/status") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(key):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # cannot be reset
-    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
+    return None
 
 
 def reset_peak_rss() -> bool:
@@ -159,6 +175,7 @@ __all__ = [
     "GLIBC_HINT",
     "GLIBC_OVERHEAD",
     "cgroup_free",
+    "current_pss",
     "current_rss",
     "fair_share",
     "fmt_bytes",

@@ -68,7 +68,9 @@ class Bf16TruePolicy(Policy):
                         f"HorizonPrecision(mode='bf16-true'): the optimizer {type(opt).__name__} holds a tensor of"
                         f" shape {tuple(p.shape)} that is not a parameter of the LightningModule"
                     )
-                if p.dtype == torch.bfloat16:  # integer / frozen-in-other-dtype parameters: stepped as they are
+                # integer / frozen-in-other-dtype parameters: stepped as they are; under node-sharded state a rank
+                # keeps masters for the parameters it steps only
+                if p.dtype == torch.bfloat16 and self.training_state.owns(p):
                     self.register(opt, p)
 
     def register(self, opt: Optimizer, p: Tensor) -> None:
@@ -139,10 +141,6 @@ class Bf16TruePolicy(Policy):
             "compensation": {n: c for p, n in self.names.items() if (c := state.compensation(p)) is not None},
             "rng": self.rng_state(),
         }
-
-    def rng_state(self) -> dict[str, Tensor]:
-        """The state of the generators the step draws from, per device."""
-        return {}
 
 
 def _own_parameter_list(optimizer: Optimizer, params: set[int]) -> Optional[str]:

@@ -122,7 +122,10 @@ class KahanPolicy(Bf16TruePolicy):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
-        self.rounding.load_state_dict(state_dict.get("rng", {}))
+        self.load_rng_state(state_dict.get("rng", {}))
+
+    def load_rng_state(self, state: dict[str, Tensor]) -> None:
+        self.rounding.load_state_dict(state)
 
 
 class StochasticRounding:

@@ -23,7 +23,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from lightning_horizon.checks import check_int, check_one_of, is_int, require
 from lightning_horizon.cpu import resolve_compute
-from lightning_horizon.gradnorm import clip_grads_, total_norm_fp32
+from lightning_horizon.gradnorm import clip_grads_
 from lightning_horizon.precision.fp32_master import FP32MasterPolicy
 from lightning_horizon.precision.ipex import ipex_optimize
 from lightning_horizon.precision.kahan import KahanPolicy
@@ -158,7 +158,7 @@ class HorizonPrecision(Precision):
     @override
     def _after_closure(self, model: "pl.LightningModule", optimizer: Any) -> None:
         # the fp32 norm of the gradients the step will use, before the callbacks (GradNormBackoff) read and clip them
-        self.last_grad_norm = total_norm_fp32(list(self.main_params(optimizer)))
+        self.last_grad_norm = self.training_state.grad_norm(self.main_params(optimizer))
         super()._after_closure(model, optimizer)
 
     @override
@@ -175,10 +175,19 @@ class HorizonPrecision(Precision):
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
         params = list(self.main_params(optimizer))
-        self.last_grad_norm = total_norm_fp32(params)  # pre-clip, after the callbacks
+        self.last_grad_norm = self.training_state.grad_norm(params)  # pre-clip, after the callbacks
         clip_grads_(params, clip_val, self.last_grad_norm)
 
     # ------------------------------------------------------------------ checkpoint
+
+    def rounding_state(self) -> dict[str, Any]:
+        """This rank's stochastic-rounding generators (kahan; empty otherwise). Under node-sharded state each rank
+        rounds only its own parameters' state, so the generators differ per rank: the strategy keeps them per rank
+        (the precision state in the checkpoint holds rank 0's)."""
+        return self._policy.rng_state()
+
+    def load_rounding_state(self, state: dict[str, Any]) -> None:
+        self._policy.load_rng_state(state)
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -99,6 +99,13 @@ class Policy:
                 if exact is not None:
                     self.restore(p, exact, comps.get(name))
 
+    def rng_state(self) -> dict[str, Tensor]:
+        """The state of the generators the step draws from, per device (none: the step draws nothing)."""
+        return {}
+
+    def load_rng_state(self, state: dict[str, Tensor]) -> None:
+        """Restore what :meth:`rng_state` returned."""
+
     def restore(self, param: Tensor, exact: Tensor, compensation: Optional[Tensor]) -> None:
         """Make ``exact`` (fp32; ``compensation`` when the checkpoint saved one) the true value of ``param``."""
         raise NotImplementedError

@@ -177,7 +177,11 @@ class _Profiler(TorchDispatchMode):
     # -------------------------------------------------------------- saved tensors
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
+        # Detached: a saved output packed as itself is a cycle (tensor -> grad_fn -> saved tensor) that lives in
+        # autograd's C++ nodes, out of the collector's sight; the profiling pass never runs backward, so the saved
+        # values only have to keep their storages.
         key, n = _storage(t)
+        t = t.detach()
         if key is None or key in self.state or key in self.saved_seen:
             return t
         self.saved_seen.add(key)
@@ -293,6 +297,11 @@ def _profile_once(module: nn.Module, batch: Any, batch_idx: int, fake: bool) -> 
         prof.restore()
         user.restore()
         torch.set_rng_state(rng)
+        # The pass's graph is never backwarded and its saved tensors are in ``keep``: a cycle through autograd's
+        # nodes that Python's collector cannot see, which kept one step's activations (and views of the weights)
+        # alive for the rest of the fit.
+        prof.keep.clear()
+        prof.snapshots.clear()
 
 
 def _slice_batch(batch: Any, fraction: float) -> tuple[Any, float]:

@@ -4,18 +4,20 @@ CONFIG holds {"runs": [{...}, ...]}, all with the same number of processes; ever
 (Lightning's launcher re-executes this script for the other local ranks; later fits reuse the processes and the
 process group). A run is
 
-    {"name": ..., "model": KIND, "optimization": "automatic"|"manual"|"accumulate", "world": 1|2|4,
+    {"name": ..., "model": KIND, "optimization": "automatic"|"manual"|"manual-twice"|"accumulate", "world": 1|2|4,
      "ranks_per_node": 1|2, "precision": "32-true"|"64-true"|{HorizonPrecision kwargs},
      "strategy": {"collectives": ..., "compression": ..., "sync_every": ...},
      "sharding": null|"auto"|"forced", "backoff": bool, "steps": N, "epoch_steps": E,
-     "save_at": K|null, "resume_from": PATH|null, "expect_error": [substrings]|null, "round_init": bool}
+     "save_at": K|null, "resume_from": PATH|null, "expect_error": [substrings]|null, "round_init": bool,
+     "scheduler": bool, "gradient_clip_val": float|null}
 
 ``steps`` and ``save_at`` count training steps (a manual step with two optimizers is two of Lightning's
 global steps); an epoch is ``epoch_steps`` training steps, so a checkpoint at an epoch boundary resumes exactly.
 ``sharding="forced"`` plans with a roomy byte budget, then cuts the budget after the first step below what any
 plan reaches (as a cgroup squeeze would): from the second step on, the plan with the smallest peak is installed,
 i.e. as much activation recompute as the model allows. ``round_init`` rounds the initial weights to bf16 (the
-start a bf16-true fit has), for an fp32 reference of a bf16-true case. ``backoff`` adds GradNormBackoff and
+start a bf16-true fit has), for an fp32 reference of a bf16-true case. ``scheduler`` (automatic optimization) adds
+a LambdaLR to the optimizer. ``backoff`` adds GradNormBackoff and
 injects a NaN loss on the last rank in training step 1 and a spike on rank 0 in training step 2.
 
 Each run writes OUT_DIR/NAME.rank{R}.pt as soon as it ends: the true weights after every optimizer step (fp32
@@ -162,6 +164,7 @@ def fit(run: dict, out: Path, seen: dict) -> dict:
     accumulate = 2 if run["optimization"] == "accumulate" else 1
     inject = {"nan": [1, run["world"] - 1], "spike": [2, 0]} if run["backoff"] else None
     model = build(run["model"], run["optimization"], inject)
+    model.scheduler = bool(run.get("scheduler"))
     if run.get("round_init"):  # a reference for bf16-true: the same bf16-rounded start, trained in fp32
         with torch.no_grad():
             for p in model.parameters():
@@ -186,7 +189,8 @@ def fit(run: dict, out: Path, seen: dict) -> dict:
         accelerator="cpu", devices=run["world"], strategy=strategy, callbacks=callbacks,
         max_steps=run["steps"] * n_opt, max_epochs=-1, accumulate_grad_batches=accumulate, logger=False,
         enable_checkpointing=bool(run.get("save_at")), enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, default_root_dir=str(out / "root"), **precision_args(run),
+        num_sanity_val_steps=0, default_root_dir=str(out / "root"), gradient_clip_val=run.get("gradient_clip_val"),
+        **precision_args(run),
     )
     # every epoch is epoch_steps training steps on every rank: a checkpoint at an epoch boundary resumes exactly
     samples = run["world"] * run["epoch_steps"] * accumulate * BATCH
@@ -199,6 +203,11 @@ def fit(run: dict, out: Path, seen: dict) -> dict:
         "rows": recorder.rows,
         "initial": recorder.initial,
         "final": true_weights(trainer, module),
+        # node-sharded state: the parameters whose master / compensation this rank holds (the others' true value is
+        # on their owner)
+        "true_here": [n for n, p in module.named_parameters()
+                      if getattr(trainer.precision_plugin, "training_state", None) is not None
+                      and trainer.precision_plugin.training_state.where(p) != "module"],
         "params": {n: p.detach().clone() for n, p in module.named_parameters()},
         "buffers": {n: b.detach().clone() for n, b in module.named_buffers()},
         "violations": recorder.violations + model.violations,
@@ -210,6 +219,8 @@ def fit(run: dict, out: Path, seen: dict) -> dict:
         "spikes": [s.spikes for s in backoff.states] if backoff else None,
         "lr_scale": [s.scale for s in backoff.states] if backoff else None,
         "error": None,
+        # node-sharded state maps the node's weights from /dev/shm during fit only: nothing may stay mapped
+        "shm_after_fit": "lightning-horizon-" in Path("/proc/self/maps").read_text(),
     }
 
 

@@ -91,7 +91,8 @@ class Checked:
 
     def setup_checked(self, optimization: str, inject: dict | None) -> None:
         self.optimization = optimization
-        self.automatic_optimization = optimization != "manual"
+        # "manual-twice": one optimizer, two synchronized backward passes (the second at half weight) before its step
+        self.automatic_optimization = optimization not in ("manual", "manual-twice")
         self.inject = inject or {}
         self.violations: list[str] = []
         self.losses: list[float] = []
@@ -119,9 +120,12 @@ class Checked:
         if self.automatic_optimization:
             return loss
         opts = self.optimizers()
+        opts = opts if isinstance(opts, list) else [opts]
         for opt in opts:
             opt.zero_grad()
         self.manual_backward(loss)
+        if self.optimization == "manual-twice":
+            self.manual_backward(0.5 * self.compute_loss(batch).float())
         for opt in opts:
             opt.step()
         return loss.detach()
@@ -145,7 +149,10 @@ class Checked:
         if self.optimization == "manual":
             a, b = self.param_groups()
             return [torch.optim.SGD(a, lr=0.1, momentum=0.9), torch.optim.AdamW(b, lr=1e-2, weight_decay=0.01)]
-        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+        opt = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+        if getattr(self, "scheduler", False):  # LambdaLR: recomputes lr from base_lrs at every step
+            return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.8**s)}
+        return opt
 
 
 # ---------------------------------------------------------------------------------------------- the kinds

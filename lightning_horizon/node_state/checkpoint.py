@@ -1,0 +1,106 @@
+"""Full, unsharded checkpoints from node-sharded state, and loading any checkpoint into any ownership.
+
+Each rank holds the optimizer state (and the precision policy's masters or compensations) of the parameters it owns;
+node 0's ranks together hold all of it. Saving gathers their pieces to rank 0 and merges them into exactly the dicts
+a replicated run writes: the optimizer's ``state`` keyed by parameter index, the precision state's per-name masters.
+So a checkpoint loads into a plain module (``strict=True``), into ``state="replicated"`` and into any other layout.
+Loading keeps only what this rank owns (the rest is dropped before the optimizer allocates it).
+
+With ``state_checkpoint="per_rank"`` nothing is gathered: each rank of node 0 writes its share next to the
+checkpoint (``<checkpoint>.state/rank<i>.pt``, each file atomic), all ranks wait, and only then rank 0 writes the
+checkpoint itself, with the weights and everything but the shares, naming how many files it has: a checkpoint file
+never names files that are not complete. Loading reads the files (memory-mapped) and merges them back into the dicts
+a full checkpoint has, so a per-rank checkpoint too loads into any layout and into ``state="replicated"``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+
+from lightning_horizon.checkpoint_io import atomic_file
+
+#: the precision state's per-parameter dicts (HorizonPrecision's bf16-true policies), merged by name
+PER_NAME = ("masters", "compensation")
+
+
+def local_part(checkpoint: dict[str, Any], precision_key: Optional[str]) -> dict[str, Any]:
+    """This rank's share of ``checkpoint``: its optimizers' per-parameter state and its precision masters."""
+    part: dict[str, Any] = {"optimizer_states": [s.get("state", {}) for s in checkpoint.get("optimizer_states", [])]}
+    precision = checkpoint.get(precision_key) if precision_key else None
+    if isinstance(precision, dict):
+        part["precision"] = {k: precision[k] for k in PER_NAME if isinstance(precision.get(k), dict)}
+    return part
+
+
+def merge(checkpoint: dict[str, Any], parts: list[dict[str, Any]], precision_key: Optional[str]) -> None:
+    """Fold every rank's share (``parts``, node 0's ranks) into rank 0's ``checkpoint``, in place."""
+    for i, opt_state in enumerate(checkpoint.get("optimizer_states", [])):
+        merged: dict[int, Any] = {}
+        for part in parts:
+            merged.update(part["optimizer_states"][i])
+        opt_state["state"] = dict(sorted(merged.items()))
+    precision = checkpoint.get(precision_key) if precision_key else None
+    if isinstance(precision, dict):
+        for key in PER_NAME:
+            if isinstance(precision.get(key), dict):
+                merged_names: dict[str, Tensor] = {}
+                for part in parts:
+                    merged_names.update(part.get("precision", {}).get(key, {}))
+                precision[key] = merged_names
+
+
+def state_dir(checkpoint_path: Any) -> str:
+    """Where the per-rank files of ``checkpoint_path`` live (next to it; through a symlinked ``last.ckpt`` too)."""
+    return os.path.realpath(os.fspath(checkpoint_path)) + ".state"
+
+
+def write_part(part: dict[str, Any], checkpoint_path: Any, local_rank: int) -> None:
+    with atomic_file(os.path.join(state_dir(checkpoint_path), f"rank{local_rank}.pt")) as f:
+        torch.save(part, f)
+
+
+def strip(checkpoint: dict[str, Any], precision_key: Optional[str]) -> None:
+    """Remove the shares (they are in the per-rank files) from the checkpoint rank 0 writes."""
+    for opt_state in checkpoint.get("optimizer_states", []):
+        opt_state["state"] = {}
+    precision = checkpoint.get(precision_key) if precision_key else None
+    if isinstance(precision, dict):
+        for key in PER_NAME:
+            if isinstance(precision.get(key), dict):
+                precision[key] = {}
+
+
+def read_parts(checkpoint_path: Any, files: int) -> list[dict[str, Any]]:
+    """The per-rank shares written next to ``checkpoint_path``; a missing file fails naming it."""
+    directory = state_dir(checkpoint_path)
+    parts = []
+    for i in range(files):
+        path = os.path.join(directory, f"rank{i}.pt")
+        if not os.path.exists(path):
+            raise FileNotFoundError(
+                f"{checkpoint_path} was saved with HorizonStrategy(state_checkpoint='per_rank'): its optimizer state"
+                f" is in {directory}/rank0.pt .. rank{files - 1}.pt, and {path} is missing (copy the folder along"
+                " with the checkpoint)"
+            )
+        parts.append(torch.load(path, map_location="cpu", mmap=True, weights_only=False))
+    return parts
+
+
+def remove_parts(checkpoint_path: Any) -> None:
+    shutil.rmtree(state_dir(checkpoint_path), ignore_errors=True)
+
+
+def owned_optimizer_state(opt_state: dict[str, Any], params: list[Tensor], owns: Callable[[Tensor], bool]) -> dict:
+    """``opt_state`` (a full optimizer state dict) with only the entries of the parameters this rank owns;
+    ``params`` are the optimizer's parameters in param-group order (the state dict's indices)."""
+    keep = {i for i, p in enumerate(params) if owns(p)}
+    return {**opt_state, "state": {i: s for i, s in opt_state.get("state", {}).items() if i in keep}}
+
+
+__all__ = ["PER_NAME", "local_part", "merge", "owned_optimizer_state", "read_parts", "remove_parts", "state_dir",
+           "strip", "write_part"]

@@ -1,0 +1,140 @@
+"""NodeState: ``HorizonStrategy(state="node_sharded")`` on one rank, a strategy part.
+
+It plans the buckets and their owners (ownership.py), moves the parameters into the node's shared memory
+(shared_params.py; or keeps a copy per rank that the owners update by broadcast, broadcast_params.py), installs the
+gradient path (reduce.py) and tells the training state which parameters this rank
+steps, so that the precision policy keeps masters for those only and the gradient norm is summed over the node. The
+strategy calls it around each backward and after each optimizer step; checkpoints are merged and filtered by
+checkpoint.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any, Optional, Union
+
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_horizon.node_state.accounting import state_bytes, table
+from lightning_horizon.node_state.broadcast_params import BroadcastParameters
+from lightning_horizon.node_state.optimizers import check_optimizers
+from lightning_horizon.node_state.ownership import Bucket, plan_buckets
+from lightning_horizon.node_state.reduce import OwnerReduce
+from lightning_horizon.node_state.shared_params import SharedParameters
+from lightning_horizon.parts import Part
+from lightning_horizon.precision import HorizonPrecision
+from lightning_horizon.state import TrainingState
+from lightning_horizon.topology import ProcessGroups
+
+log = logging.getLogger(__name__)
+
+
+class NodeState(Part):
+    """One copy of the weights per node, optimizer state and gradients split between the node's ranks."""
+
+    def __init__(self, module: nn.Module, groups: ProcessGroups, cap_bytes: int, training_state: TrainingState,
+                 precision: Any = None, weights: str = "shared") -> None:
+        self.topology = groups.topology
+        self.groups = groups
+        trainable = [p for p in dict.fromkeys(module.parameters()) if p.requires_grad]
+        self.buckets: list[Bucket] = plan_buckets(trainable, self.topology.ranks_per_node, cap_bytes)
+        #: how the node's ranks see the owners' updates: one shared copy ("shared") or a copy each ("copies")
+        self.weights_mode = weights
+        self.weights: Union[SharedParameters, BroadcastParameters] = (
+            SharedParameters(module, groups.intra, groups.inter if self.topology.local_rank == 0 else None,
+                             self.topology.local_rank, self.topology.node_rank)
+            if weights == "shared" else BroadcastParameters(module, self.buckets, groups.intra, self.topology)
+        )
+        self.training_state = training_state
+        self.reducer: Optional[OwnerReduce] = None
+        # HorizonPrecision's stochastic rounding draws for this rank's parameters only: its generators differ per
+        # rank and are saved here, per rank (the checkpoint's precision state holds rank 0's)
+        self._precision = precision if isinstance(precision, HorizonPrecision) else None
+        self._rounding: Optional[dict[str, Any]] = None  # loaded, applied before the next optimizer step
+
+    def install(self) -> None:
+        """Collective: every rank, at the same point of setup, before the optimizers and the precision connect."""
+        token = [uuid.uuid4().hex if self.topology.rank == 0 else None]
+        dist.broadcast_object_list(token, src=0)
+        self.weights.install(token[0])
+        self.reducer = OwnerReduce(self.buckets, self.topology, self.groups.inter)
+        self.training_state.shard(self.reducer.owns, self.groups.intra)
+
+    def setup(self, trainer: Any, module: nn.Module, optimizers: list[Any]) -> None:
+        """Once the optimizers exist (every rank): optimizers it can step, a clipping that sees the whole gradient,
+        rank 0's buffers (DDP's constructor broadcasts them), the memory table."""
+        check_optimizers(optimizers)
+        clip = getattr(trainer, "gradient_clip_val", None)
+        if clip and self._precision is None and getattr(trainer, "gradient_clip_algorithm", None) in (None, "norm"):
+            raise ValueError(
+                f"Trainer(gradient_clip_val={clip}) with HorizonStrategy(state='node_sharded') and"
+                f" {type(trainer.precision_plugin).__name__}: Lightning's norm clipping would use each rank's share of"
+                " the gradient only; pass plugins=[HorizonPrecision(...)] (its norm is summed over the shards) or clip"
+                " with GradNormBackoff(max_norm=...)"
+            )
+        for b in module.buffers():
+            dist.broadcast(b, src=0)
+        if self.topology.rank == 0:
+            owner = {p: b.owner for b in self.buckets for p in b.params}
+            figures = state_bytes(module, optimizers, trainer.precision_plugin, self.topology.ranks_per_node,
+                                  lambda p: owner.get(p, 0), weights_shared=self.weights_mode == "shared")
+            log.info(table(figures, self.topology.ranks_per_node))
+
+    def owns(self, p: Tensor) -> bool:
+        return self.training_state.owns(p)
+
+    def owner_loads(self) -> list[int]:
+        """Bytes of parameters each local rank owns."""
+        loads = [0] * self.topology.ranks_per_node
+        for b in self.buckets:
+            loads[b.owner] += b.nbytes
+        return loads
+
+    # ------------------------------------------------------------------ the step
+
+    def pre_backward(self, sync: bool) -> None:
+        assert self.reducer is not None
+        self.reducer.pre_backward(sync)
+
+    def post_backward(self) -> None:
+        assert self.reducer is not None
+        self.reducer.post_backward()
+
+    def before_step(self) -> None:
+        assert self.reducer is not None
+        self.reducer.settle()
+        if self._rounding is not None and self._precision is not None:
+            # after Lightning restored the precision state (rank 0's generators), before the step draws
+            self._precision.load_rounding_state(self._rounding)
+        self._rounding = None
+
+    def after_step(self) -> None:
+        """The owners' updates reach every rank of the node before any of them reads the weights again."""
+        self.weights.after_step()
+
+    def metrics(self) -> dict[str, float]:
+        r = self.reducer
+        if r is None:
+            return {}
+        out = {"bytes_intra": r.bytes_intra, "bytes_inter": r.bytes_inter}
+        if isinstance(self.weights, BroadcastParameters):
+            out["weights_bytes_intra"] = self.weights.bytes_sent
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rounding": self._precision.rounding_state()} if self._precision is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._rounding = state.get("rounding")
+
+    def teardown(self) -> None:
+        if self.reducer is not None:
+            self.reducer.remove()
+            self.reducer = None
+        self.weights.uninstall()
+        self.training_state.unshard()
+
+
+__all__ = ["NodeState"]

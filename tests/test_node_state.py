@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from lightning_horizon import HorizonStrategy
+from lightning_horizon.memory import training_memory
 from lightning_horizon.node_state import PER_PARAMETER, check_optimizers, plan_buckets
 from lightning_horizon.node_state.checkpoint import local_part, merge, owned_optimizer_state
 from tests.launch import REPO, run_scripts
@@ -65,6 +66,22 @@ def test_optimizers_that_are_not_per_parameter_are_refused():
     with pytest.raises(ValueError, match="cannot step LBFGS.*AdamW"):
         check_optimizers([torch.optim.LBFGS(p)])
     assert torch.optim.LBFGS not in PER_PARAMETER
+
+
+def test_setup_memory_check_counts_this_ranks_share():
+    """The fit check at setup (memory.training_memory) under node-sharded state: the weights are one copy for the
+    node's ranks, the gradients and the optimizer state still to come are those of the parameters this rank owns."""
+    module = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    opt = torch.optim.AdamW(module.parameters())
+    params = list(module.parameters())
+    whole = training_memory(module, [opt])
+    mine = set(map(id, params[:2]))  # the first layer's weight and bias
+    share = training_memory(module, [opt], owns=lambda p: id(p) in mine, weights_shared_by=4)
+    owned = sum(p.numel() * 4 for p in params[:2])
+    assert (whole["gradients"], whole["optimizer_state"]) == (sum(p.numel() * 4 for p in params),
+                                                             2 * sum(p.numel() * 4 for p in params))
+    assert (share["gradients"], share["optimizer_state"]) == (owned, 2 * owned)
+    assert share["parameters"] == whole["parameters"] // 4
 
 
 def test_checkpoint_merge_and_filter():

@@ -40,7 +40,7 @@ def total_norm_fp32(
     if math.isinf(norm_type):
         dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
         return local
-    share = local.pow(norm_type) if norms else local
+    share = local.pow(norm_type)
     dist.all_reduce(share, group=group)
     return share.pow(1.0 / norm_type)
 

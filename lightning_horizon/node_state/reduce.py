@@ -176,17 +176,18 @@ class OwnerReduce:
         total = torch.empty(flat.numel(), dtype=wide)  # new: the owner's gradients are views of it
         total.copy_(flat)
         for row in received:  # a fixed order (local ranks ascending, this rank first): the same sum every run
-            total.add_(row.to(wide) if row.dtype != wide else row)
+            total.add_(row)  # a bf16 row is added in fp32, without a widened copy
         if self._inter is not None:
             dist.all_reduce(total, group=self._inter)
             peers = self.topology.num_nodes
             self.bytes_inter += 2 * (peers - 1) / peers * total.numel() * total.element_size()
         n = b.numel
         total[:n].div_(self.topology.world_size)
+        got = (total[n:] > 0).tolist()  # the flags, read once (not one tensor-to-bool per parameter)
         off = 0
         for i, p in enumerate(b.params):
             k = p.numel()
-            if total[n + i] > 0:
+            if got[i]:
                 g = total[off : off + k].view(p.shape)
                 p.grad = g if g.dtype == p.dtype else g.to(p.dtype)
                 self._reduced[p] = weakref.ref(p.grad)

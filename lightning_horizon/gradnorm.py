@@ -6,7 +6,7 @@ One function serves HorizonPrecision's clipping and GradNormBackoff, so both see
 from __future__ import annotations
 
 import math
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -14,7 +14,8 @@ from torch import Tensor
 
 
 def total_norm_fp32(
-    parameters: Iterable[Tensor], norm_type: float = 2.0, group: Optional[dist.ProcessGroup] = None
+    parameters: Iterable[Tensor], norm_type: float = 2.0, group: Optional[dist.ProcessGroup] = None,
+    stream: Callable[[list[Tensor]], Iterable[Tensor]] = iter,
 ) -> Tensor:
     """The ``norm_type`` norm over all gradients of ``parameters``, accumulated in fp32 (float64 for float64
     gradients) as a 0-dim tensor.
@@ -27,13 +28,14 @@ def total_norm_fp32(
     group, so every rank gets the norm of the whole gradient, the same value on each.
     """
     parameters = list(parameters)
-    grads = [p.grad for p in parameters if p.grad is not None]
     dtype = torch.float32  # float64 gradients (precision="64-true") keep their own precision
     for p in parameters:  # the parameters' too: a rank holding none of the gradients must sum in the same dtype
         for t in (p, p.grad):
             if t is not None and t.is_floating_point():
                 dtype = torch.promote_types(dtype, t.dtype)
-    norms = [torch.linalg.vector_norm(g.detach(), norm_type, dtype=dtype) for g in grads]
+    # ``stream`` walks the parameters (out-of-core: one layer's gradients in memory at a time)
+    norms = [torch.linalg.vector_norm(p.grad.detach(), norm_type, dtype=dtype) for p in stream(parameters)
+             if p.grad is not None]
     local = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else torch.zeros((), dtype=dtype)
     if group is None:
         return local
@@ -45,11 +47,14 @@ def total_norm_fp32(
     return share.pow(1.0 / norm_type)
 
 
-def clip_grads_(parameters: Iterable[Tensor], max_norm: float, total_norm: Tensor) -> float:
+def clip_grads_(parameters: Iterable[Tensor], max_norm: float, total_norm: Tensor,
+                stream: Callable[[list[Tensor]], Iterable[Tensor]] = iter) -> float:
     """Scale every gradient in place so that the total norm is at most ``max_norm`` (given the measured norm);
     return the factor applied (1.0 when the norm was within ``max_norm``)."""
     coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-    for p in parameters:
+    if float(coef) == 1.0:
+        return 1.0  # x * 1.0 == x: nothing to write
+    for p in stream(list(parameters)):
         if p.grad is not None:
             p.grad.detach().mul_(coef.to(p.grad.dtype))
     return float(coef)

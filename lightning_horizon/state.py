@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from torch import Tensor
 
-from lightning_horizon.gradnorm import total_norm_fp32
+from lightning_horizon.gradnorm import clip_grads_, total_norm_fp32
 
 MODULE, MASTER, COMPENSATED = "module", "fp32 master", "bf16 + compensation"
 
@@ -34,6 +34,9 @@ class TrainingState:
         #: node-sharded state: the ranks the gradients are sharded over (each rank keeps those it owns); the
         #: gradient norm is all-reduced over it (``grad_norm``). ``None``: every rank holds every gradient.
         self.grad_group: Optional[Any] = None
+        #: out-of-core training (lightning_horizon/store/): the StateStore that holds weights, gradients, masters
+        #: and optimizer state in memory-mapped files; ``None``: they live where torch allocates them
+        self.store: Optional[Any] = None
 
     # ------------------------------------------------------------------ ownership (node-sharded state)
 
@@ -52,18 +55,43 @@ class TrainingState:
     def grad_norm(self, params: Iterable[Tensor], norm_type: float = 2.0) -> Tensor:
         """The fp32 norm of the whole gradient of ``params``, the same on every rank, also when each rank holds only
         the gradients it owns."""
-        return total_norm_fp32(params, norm_type, self.grad_group)
+        return total_norm_fp32(params, norm_type, self.grad_group, self.stream)
+
+    def clip(self, params: list[Tensor], max_norm: float, total_norm: Tensor) -> float:
+        """Scale the gradients of ``params`` in place to a total norm of at most ``max_norm``; returns the factor."""
+        return clip_grads_(params, max_norm, total_norm, lambda ps: self.stream(ps, dirty=True))
 
     # ------------------------------------------------------------------ registration (precision policies)
 
     def register_master(self, param: Tensor, master: Tensor) -> None:
         self._compensation.pop(param, None)
+        master.data = self.place(param, "master", master.data)
         self._masters[param] = master
         self._param_of[master] = param
 
     def register_compensation(self, param: Tensor, compensation: Tensor) -> None:
         self._masters.pop(param, None)
-        self._compensation[param] = compensation
+        self._compensation[param] = self.place(param, "compensation", compensation)
+
+    # ------------------------------------------------------------------ where the tensors live (out-of-core store)
+
+    def place(self, param: Tensor, kind: str, tensor: Tensor) -> Tensor:
+        """``tensor`` (``param``'s ``kind``: "master", "master_grad", "compensation") where training keeps it: the
+        store's copy under out-of-core training, else ``tensor`` itself."""
+        return tensor if self.store is None else self.store.place(param, kind, tensor)
+
+    def stream(self, params: Iterable[Tensor], dirty: bool = False, kinds: tuple[str, ...] = ("grad",)) -> Iterable[Tensor]:
+        """``params`` in order; under out-of-core training one layer's ``kinds`` at a time is brought in ahead and
+        released behind (written back when the caller wrote to them: ``dirty``)."""
+        if self.store is None:
+            return params
+        return self.store.stream(params, self.parameter_of, dirty, kinds)
+
+    def settle(self, optimizer: Any, params: Iterable[Tensor]) -> None:
+        """After ``optimizer`` stepped ``params``: under out-of-core training their state moves into the store and
+        their layers leave memory."""
+        if self.store is not None:
+            self.store.after_step(optimizer, params, self.parameter_of)
 
     def parameter_of(self, tensor: Tensor) -> Tensor:
         """The module parameter ``tensor`` stands for: a master's parameter (masters stand in for their parameters

@@ -36,6 +36,7 @@ from lightning_horizon.collectives import CollectivesConfig, GradientSync
 from lightning_horizon.node_state import NodeState
 from lightning_horizon.strategy_args import ccl_available, check_arguments, check_state
 from lightning_horizon.strategy_checkpoint import CheckpointParts
+from lightning_horizon.store import OutOfCore, StoreConfig, resolve_store, store_folder
 from lightning_horizon.topology import ProcessGroups, Topology, check_ranks_per_node, placement_table
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,9 @@ class HorizonStrategy(CheckpointParts, DDPStrategy):
         state_checkpoint: with ``"node_sharded"``: ``"full"`` (rank 0 writes one checkpoint with everything, as a
             replicated run does) or ``"per_rank"`` (each rank writes its share to ``<checkpoint>.state/``, in
             parallel, nothing gathered; loads into any layout too, as long as the folder is next to the file).
+        state_store: ``None`` (training state in RAM), ``"auto"`` (out-of-core: weights, gradients, masters and
+            optimizer state in memory-mapped files next to the checkpoints, streamed layer by layer), a folder
+            path, or a ``StoreConfig``. See docs/out_of_core.md.
         ddp_comm_state, ddp_comm_hook, ddp_comm_wrapper: a DDP comm hook of your own, registered on CPU too
             (instead of ``collectives``, which must then stay at its defaults).
         **kwargs: passed to ``DDPStrategy`` and on to ``DistributedDataParallel`` (e.g. ``static_graph``).
@@ -118,6 +122,7 @@ class HorizonStrategy(CheckpointParts, DDPStrategy):
         state: str = "replicated",
         node_weights: str = "shared",
         state_checkpoint: str = "full",
+        state_store: Union[None, str, os.PathLike, StoreConfig] = None,
         **kwargs: Any,
     ) -> None:
         # Every check runs here, in the Trainer's constructor: before a launcher starts a process or a group.
@@ -132,6 +137,10 @@ class HorizonStrategy(CheckpointParts, DDPStrategy):
         )
         check_state(state, node_weights, state_checkpoint, collectives, compression, sync_every,
                     kwargs.get("ddp_comm_hook"))
+        self._store_config = resolve_store(state_store)
+        if self._store_config is not None and state != "replicated":
+            raise ValueError(f"state_store={state_store!r} with state={state!r}: the out-of-core store holds a whole"
+                             " replica per rank; use state='replicated' (the default) with it")
         seconds = check_arguments(
             ranks_per_node=ranks_per_node, bucket_size_mb=bucket_size_mb, timeout=timeout,
             process_group_backend=process_group_backend, pin_cores=pin_cores, threads_per_rank=threads_per_rank,
@@ -182,6 +191,11 @@ class HorizonStrategy(CheckpointParts, DDPStrategy):
         """The gradient sync (collectives, compression, local SGD, accounting) once DDP is set up on several
         ranks; ``None`` with one process or a comm hook of your own."""
         return self.parts.get("collectives")
+
+    @property
+    def store(self) -> Optional[OutOfCore]:
+        """The out-of-core store (``state_store=``) once setup created it: its plan, disk figures and metrics."""
+        return self.parts.get("store")
 
     @property
     def node_state(self) -> Optional[NodeState]:
@@ -291,6 +305,12 @@ class HorizonStrategy(CheckpointParts, DDPStrategy):
 
     @override
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if self._store_config is not None and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            # Before DDP, the optimizers and the precision plugin: masters and optimizer state are born in the store
+            part = OutOfCore(self._store_config, self.training_state, self.global_rank)
+            part.install(model, store_folder(self._store_config, trainer))
+            self.parts.add("store", part)
         if self.world_size == 1:
             # One process: nothing to synchronize, keep the plain module. DDP's reducer would refuse parameters
             # that get no gradient; here they are harmless, but the same code on several processes will fail:
@@ -346,8 +366,11 @@ class HorizonStrategy(CheckpointParts, DDPStrategy):
             self._node_weights = None
         if self.node_state is not None:
             self.node_state.setup(trainer, self.lightning_module, self.optimizers)
-        if self._sharding is None and trainer.state.fn == TrainerFn.FITTING:
-            self._check_memory()  # with sharding, the first plan checks this and the activations too
+        if self.store is not None:
+            self.store.setup(self.optimizers)
+        if self._sharding is None and self.store is None and trainer.state.fn == TrainerFn.FITTING:
+            # with sharding, the first plan checks this and the activations too; the store checked its disk
+            self._check_memory()
         if self._sharding is not None and "sharding" not in self.parts:
             # Plans at the first training_step (the first batch is what it profiles); all ranks of the node
             # share its memory. Recompute runs in backward, outside training_step's precision context: the
@@ -355,6 +378,7 @@ class HorizonStrategy(CheckpointParts, DDPStrategy):
             self.parts.add("sharding", GraphSharder(
                 self._sharding, self.num_processes, rank=self.global_rank,
                 recompute_context=getattr(self.precision_plugin, "recompute_context", None),
+                state_in_memory=self.store is None,
             ))
         # Last, so that nothing in setup draws from a restored generator; Lightning's sanity check runs under
         # isolate_rng, so the next draw is the training data iterator's, as in the uninterrupted run.
@@ -459,6 +483,7 @@ class HorizonStrategy(CheckpointParts, DDPStrategy):
     def teardown(self) -> None:
         self.parts.teardown()  # the sharder uninstalls: the module leaves fit exactly as it came in
         self.parts.remove("node_state")  # the weights are the module's own again: validate/test run replicated
+        self.parts.remove("store")
         super().teardown()
         if self._thread_settings is not None:
             self._thread_settings.restore()

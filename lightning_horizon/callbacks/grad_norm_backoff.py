@@ -238,7 +238,9 @@ class GradNormBackoff(Callback):
                            self.recover_after, step, old, st.scale)
 
         if self.max_norm is not None and clip_norm > self.max_norm:
-            factor = clip_grads_(params, self.max_norm, torch.tensor(clip_norm, dtype=torch.float32))
+            state = getattr(trainer.strategy, "training_state", None)  # HorizonStrategy: out-of-core streams
+            clip = state.clip if state is not None else clip_grads_
+            factor = clip(params, self.max_norm, torch.tensor(clip_norm, dtype=torch.float32))
             _scale_error_feedback(trainer, params, factor)
         self._apply_lr_scale(optimizer, st.scale)
         self._log(trainer, pl_module, idx, st)

@@ -4,13 +4,13 @@ nearest. The optimizer steps fp32 proxies of the parameters, a bounded chunk at 
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_horizon.optim_parts import step_in_parts
 from lightning_horizon.precision.bf16_true import Bf16TruePolicy
 from lightning_horizon.precision.policy import cast_state, per_element
 from lightning_horizon.state import TrainingState
@@ -46,21 +46,7 @@ class KahanPolicy(Bf16TruePolicy):
         self.rounding.new_step()
         if not todo:  # nothing to update (e.g. a skipped step): still one call, so step hooks run as usual
             return optimizer.step(**kwargs)
-        chunks = self._chunks(todo)
-        saved = [g["params"] for g in groups]
-        pre, post = optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks
-        out = None
-        try:
-            for c, chunk in enumerate(chunks):
-                # step hooks once per training step: pre-hooks with the first chunk, post-hooks with the last
-                optimizer._optimizer_step_pre_hooks = pre if c == 0 else OrderedDict()
-                optimizer._optimizer_step_post_hooks = post if c == len(chunks) - 1 else OrderedDict()
-                out = self._step_chunk(optimizer, chunk, kwargs)
-        finally:
-            optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks = pre, post
-            for g, params in zip(groups, saved):
-                g["params"] = params
-        return out
+        return step_in_parts(optimizer, self._chunks(todo), lambda chunk: self._step_chunk(optimizer, chunk, kwargs))
 
     def _chunks(self, todo: list[tuple[int, Tensor]]) -> list[list[tuple[int, Tensor]]]:
         """``(group index, parameter)`` pairs cut into runs of at most ``step_chunk_numel`` elements (or one)."""
@@ -76,8 +62,6 @@ class KahanPolicy(Bf16TruePolicy):
 
     def _step_chunk(self, optimizer: Optimizer, chunk: list[tuple[int, Tensor]], kwargs: dict[str, Any]) -> Any:
         groups = optimizer.param_groups
-        for g in groups:
-            g["params"] = []
         proxies = [(p, self._proxy(optimizer, p)) for _, p in chunk if self.training_state.compensation(p) is not None]
         stepped = dict(proxies)
         for i, p in chunk:  # a parameter without compensation (not bf16) steps as it is
@@ -87,6 +71,7 @@ class KahanPolicy(Bf16TruePolicy):
         finally:
             for p, w in proxies:
                 self._fold(optimizer, p, w)
+            self.training_state.settle(optimizer, [p for _, p in chunk])  # out-of-core: into the store, released
 
     @torch.no_grad()
     def _proxy(self, optimizer: Optimizer, p: Tensor) -> Tensor:

@@ -23,7 +23,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from lightning_horizon.checks import check_int, check_one_of, is_int, require
 from lightning_horizon.cpu import resolve_compute
-from lightning_horizon.gradnorm import clip_grads_
 from lightning_horizon.precision.fp32_master import FP32MasterPolicy
 from lightning_horizon.precision.ipex import ipex_optimize
 from lightning_horizon.precision.kahan import KahanPolicy
@@ -176,7 +175,7 @@ class HorizonPrecision(Precision):
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
         params = list(self.main_params(optimizer))
         self.last_grad_norm = self.training_state.grad_norm(params)  # pre-clip, after the callbacks
-        clip_grads_(params, clip_val, self.last_grad_norm)
+        self.training_state.clip(params, clip_val, self.last_grad_norm)
 
     # ------------------------------------------------------------------ checkpoint
 

@@ -50,6 +50,8 @@ class GraphSharder(Part):
         recompute_context: ``module -> context manager`` entered around each recompute of ``module``'s call (in
             backward, outside training_step): the precision plugin's ``recompute_context``, which re-establishes
             what its forward context did (fp32 copies of bf16 weights, the default dtype). ``None``: none needed.
+        state_in_memory: whether the optimizer state still to come will be resident (``False`` under the
+            out-of-core store, which keeps it on disk: only the layer in use is in memory).
     """
 
     def __init__(
@@ -59,6 +61,7 @@ class GraphSharder(Part):
         optimizers: Optional[list[torch.optim.Optimizer]] = None,
         rank: int = 0,
         recompute_context: Optional[RecomputeContext] = None,
+        state_in_memory: bool = True,
     ) -> None:
         if recompute_context is not None and not callable(recompute_context):
             raise ValueError(
@@ -66,6 +69,7 @@ class GraphSharder(Part):
                 " a context manager"
             )
         self.recompute_context = recompute_context
+        self.state_in_memory = state_in_memory
         self.config = resolve_sharding("auto" if config is None else config)
         check_int("GraphSharder", "local_world_size", local_world_size, 1, " (ranks on this node)")
         self.local_world_size = local_world_size
@@ -258,7 +262,8 @@ class GraphSharder(Part):
         if optimizers is None:
             trainer = getattr(module, "_trainer", None)
             optimizers = trainer.optimizers if trainer is not None else []
-        self.fixed = resident + optimizer_state_pending(optimizers)
+        # the optimizer state still to come is resident, unless the out-of-core store holds it (state_in_memory)
+        self.fixed = resident + (optimizer_state_pending(optimizers) if self.state_in_memory else 0)
         # Under a Trainer the previous step's gradients live until the next backward (zeroed after
         # training_step); a plain loop that zeroes them before the forward does not pay for them there.
         self._grads_in_forward = getattr(module, "_trainer", None) is not None

@@ -1,0 +1,42 @@
+"""Stepping an optimizer one part of its parameters at a time, as if it were one step.
+
+Kahan's bounded-memory step (chunks of at most ``step_chunk_numel`` elements) and the out-of-core store's
+layer-by-layer step both restrict the param groups to a part, call ``step`` and move on. Per-parameter optimizers
+(every torch one on CPU, where ``foreach`` is off by default) compute the same values either way. The
+optimizer's step hooks still fire once per step: the pre-hooks with the first part, the post-hooks with the last.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Callable, Sequence
+
+from torch import Tensor
+from torch.optim import Optimizer
+
+Part = Sequence[tuple[int, Tensor]]  # (param group index, parameter)
+
+
+
+def step_in_parts(optimizer: Optimizer, parts: Sequence[Any], step: Callable[[Any], Any]) -> Any:
+    """Call ``step(part)`` for each part with every param group emptied (``step`` fills the groups with what it
+    steps); the groups, hooks and all, are restored afterwards. Returns the last call's result."""
+    groups = optimizer.param_groups
+    saved = [g["params"] for g in groups]
+    pre, post = optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks
+    out = None
+    try:
+        for c, part in enumerate(parts):
+            optimizer._optimizer_step_pre_hooks = pre if c == 0 else OrderedDict()
+            optimizer._optimizer_step_post_hooks = post if c == len(parts) - 1 else OrderedDict()
+            for g in groups:
+                g["params"] = []
+            out = step(part)
+    finally:
+        optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks = pre, post
+        for g, params in zip(groups, saved):
+            g["params"] = params
+    return out
+
+
+__all__ = ["step_in_parts"]

@@ -1,0 +1,8 @@
+"""Out-of-core training: the training state in memory-mapped files, streamed layer by layer (docs/out_of_core.md)."""
+
+from lightning_horizon.store.config import StoreConfig, resolve_store
+from lightning_horizon.store.files import StoreSpaceError
+from lightning_horizon.store.part import OutOfCore, store_folder
+from lightning_horizon.store.store import StateStore
+
+__all__ = ["OutOfCore", "StateStore", "StoreConfig", "StoreSpaceError", "resolve_store", "store_folder"]

@@ -1,0 +1,149 @@
+"""One memory-mapped file of the out-of-core store: tensors as views into it, and the calls that move its pages.
+
+A file is created in the store's folder, given its full size on disk at once (``posix_fallocate``: a full disk
+fails here, at setup, never in the middle of a step), mapped ``MAP_SHARED`` and unlinked: the mapping is all that
+is left, so nothing stays behind after a crash, and the disk space returns when the last tensor viewing it dies.
+The tensors are ordinary CPU tensors whose memory is the page cache of that file: the kernel reads a page in on
+first touch and may write it back and drop it whenever memory is short. The store decides when that happens:
+
+- :meth:`prefetch`: read the file into the page cache ahead of use (``"read"``: ``preadv`` into a scratch buffer
+  on the I/O thread, GIL released; ``"readahead"``: ``posix_fadvise(WILLNEED)``, the kernel's asynchronous
+  read-ahead; ``"none"``: page faults on first touch).
+- :meth:`unmap`: drop the pages from this process's address space (``madvise(DONTNEED)``: resident memory falls
+  at once; dirty pages stay in the page cache, nothing is lost).
+- :meth:`writeback`: write dirty pages to disk (``fdatasync``) and drop the clean page cache (``posix_fadvise
+  (DONTNEED)``): the memory goes back to the machine (and out of a cgroup's charge).
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from lightning_horizon.memory.probe import fmt_bytes
+
+PAGE = mmap.PAGESIZE
+READ_CHUNK = 8 << 20  # bytes per preadv of a "read" prefetch
+
+
+class StoreSpaceError(OSError):
+    """The store's folder cannot take the store (full disk, quota, no write permission): raised at setup."""
+
+
+def disk_free(path: str) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def align(n: int) -> int:
+    return -(-n // PAGE) * PAGE
+
+
+class MappedFile:
+    """``nbytes`` of disk in ``folder``, mapped and unlinked; :meth:`view` carves tensors out of it."""
+
+    def __init__(self, folder: str, name: str, nbytes: int) -> None:
+        self.path = os.path.join(folder, name)
+        self.nbytes = align(max(nbytes, 1))
+        self.used = 0
+        try:
+            self.fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        except OSError as e:
+            raise StoreSpaceError(e.errno, f"state_store: cannot create {self.path}: {e.strerror}") from e
+        try:
+            try:
+                os.posix_fallocate(self.fd, 0, self.nbytes)
+            except OSError as e:
+                hint = f" ({fmt_bytes(disk_free(folder))} free there)" if e.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+                raise StoreSpaceError(
+                    e.errno, f"state_store: cannot reserve {fmt_bytes(self.nbytes)} for {self.path}: {e.strerror}{hint}"
+                ) from e
+            self._map = mmap.mmap(self.fd, self.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            self.raw = torch.frombuffer(self._map, dtype=torch.uint8)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        finally:
+            os.unlink(self.path)
+
+    def view(self, shape: torch.Size, dtype: torch.dtype) -> Tensor:
+        """The next free bytes (64-byte aligned) as a tensor of ``shape`` and ``dtype``."""
+        start = -(-self.used // 64) * 64
+        n = shape.numel() * torch.empty((), dtype=dtype).element_size()
+        if start + n > self.nbytes:
+            raise RuntimeError(f"state_store: {self.path} holds {self.nbytes} bytes, {start + n} needed")
+        self.used = start + n
+        return self.raw[start : start + n].view(dtype).view(shape)
+
+    # ------------------------------------------------------------------ page movement
+
+    def prefetch(self, mode: str, scratch: Optional[memoryview] = None) -> int:
+        """Bring the file into the page cache ahead of use; returns the bytes asked for."""
+        if self.fd < 0:
+            return 0
+        if mode == "readahead":
+            os.posix_fadvise(self.fd, 0, self.used, os.POSIX_FADV_WILLNEED)
+        elif mode == "read":
+            assert scratch is not None
+            off = 0
+            while off < self.used:
+                n = os.preadv(self.fd, [scratch[: min(len(scratch), self.used - off)]], off)
+                if n <= 0:
+                    break
+                off += n
+        return self.used
+
+    def unmap(self) -> None:
+        """Leave this process's resident set (the data stays in the page cache or on disk)."""
+        self._map.madvise(mmap.MADV_DONTNEED, 0, self.nbytes)
+
+    def writeback(self, dirty: bool) -> None:
+        """Dirty pages to disk (``dirty``), then the file's clean pages out of the page cache."""
+        if self.fd < 0:
+            return
+        if dirty:
+            os.fdatasync(self.fd)
+        os.posix_fadvise(self.fd, 0, self.nbytes, os.POSIX_FADV_DONTNEED)
+
+    def close(self) -> None:
+        """Close the descriptor; the mapping lives on as long as a tensor views it."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class Reservation:
+    """Disk space held in an unlinked file until :meth:`take` hands it, piece by piece, to the files it was for."""
+
+    def __init__(self, folder: str, nbytes: int) -> None:
+        path = os.path.join(folder, f"reserve-{os.getpid()}")
+        self.nbytes = 0
+        self.fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        os.unlink(path)
+        try:
+            os.posix_fallocate(self.fd, 0, max(nbytes, 1))
+        except OSError as e:
+            os.close(self.fd)
+            raise StoreSpaceError(
+                e.errno, f"state_store: {folder} cannot take the {fmt_bytes(nbytes)} that the gradients and the"
+                f" optimizer state will need ({e.strerror}; {fmt_bytes(disk_free(folder))} free there): free space"
+                " or pass another folder (HorizonStrategy(state_store=StoreConfig(path=...)))"
+            ) from e
+        self.nbytes = nbytes
+
+    def take(self, nbytes: int) -> None:
+        """Give ``nbytes`` back to the file system (for a file about to be created in its place)."""
+        self.nbytes = max(0, self.nbytes - nbytes)
+        if self.fd >= 0:
+            os.ftruncate(self.fd, self.nbytes)
+            if self.nbytes == 0:
+                os.close(self.fd)
+                self.fd = -1
+
+
+__all__ = ["MappedFile", "Reservation", "StoreSpaceError", "disk_free", "align", "PAGE"]

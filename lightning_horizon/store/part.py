@@ -1,0 +1,154 @@
+"""OutOfCore: ``HorizonStrategy(state_store=...)`` on one rank, a strategy part.
+
+It plans the units (units.py), creates the store and moves the weights in (store.py) before the optimizers and
+the precision plugin exist, so that masters and optimizer state are born into it; once the optimizers exist it
+reserves the disk for what the first step creates, measures the disk, replaces each optimizer's step by the
+layer-by-layer one (step.py) and logs the plan table. After every optimizer step it reads what went to and from
+the disk (``/proc/self/io``). Teardown gives the parameters private memory back.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Optional
+
+from torch import nn
+
+from lightning_horizon.memory.estimate import state_tensors
+from lightning_horizon.memory.probe import fmt_bytes
+from lightning_horizon.parts import Part
+from lightning_horizon.state import TrainingState
+from lightning_horizon.store.config import StoreConfig
+from lightning_horizon.store.files import StoreSpaceError
+from lightning_horizon.store.probe import disk_bandwidth
+from lightning_horizon.store.step import StreamedStep
+from lightning_horizon.store.store import StateStore, _io_counters
+from lightning_horizon.store.units import plan_units
+
+log = logging.getLogger(__name__)
+
+
+def store_folder(config: StoreConfig, trainer: Any) -> str:
+    """The folder the store goes in: ``config.path``, else ``horizon-store/`` next to the checkpoints."""
+    if config.path is not None:
+        return os.fspath(config.path)
+    ckpt = getattr(trainer, "checkpoint_callback", None) if trainer is not None else None
+    base = getattr(ckpt, "dirpath", None) or getattr(trainer, "default_root_dir", None) or os.getcwd()
+    return os.path.join(base, "horizon-store")
+
+
+class OutOfCore(Part):
+    """The out-of-core store of one rank and what it measures."""
+
+    def __init__(self, config: StoreConfig, training_state: TrainingState, rank: int) -> None:
+        self.config = config
+        self.training_state = training_state
+        self.rank = rank
+        self.store: Optional[StateStore] = None
+        self.folder: Optional[str] = None
+        self.disk: Optional[tuple[float, float]] = None  # measured (read, write) bytes/s
+        self._steps: list[StreamedStep] = []
+        self._load_hooks: list[Any] = []
+        self._io = _io_counters("/proc/self/io")
+        #: the last optimizer step's bytes read from and written to the disk by this process (``/proc/self/io``)
+        self.last_read = 0
+        self.last_written = 0
+
+    def install(self, module: nn.Module, folder: str) -> None:
+        """Before the optimizers and the precision plugin connect: the weights move into the store."""
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as e:
+            raise StoreSpaceError(e.errno, f"state_store: cannot create the folder {folder}: {e.strerror}") from e
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise StoreSpaceError(13, f"state_store: the folder {folder} is not writable by this process")
+        self.folder = folder
+        self.store = StateStore(folder, plan_units(module), self.config.prefetch)
+        self.store.install()
+        self.training_state.store = self.store
+
+    def setup(self, optimizers: list[Any]) -> None:
+        """Once the optimizers exist: reserve, probe, the layer-by-layer step, the plan table."""
+        store = self.store
+        assert store is not None and self.folder is not None
+        params = [p for u in store.units for p in u.params]
+        grads = sum(p.numel() * p.element_size() for p in params)
+        state = sum(state_tensors(opt) for opt in optimizers) * sum(4 * p.numel() for p in params)
+        store.reserve(grads + state)
+        if self.config.probe_bytes:
+            self.disk = disk_bandwidth(self.folder, self.config.probe_bytes)
+        for opt in optimizers:
+            opt = getattr(opt, "optimizer", opt)
+            self._steps.append(StreamedStep(opt, store, self.training_state))
+            # a loaded optimizer state (resume) goes into the store at once, not at the first step
+            self._load_hooks.append(opt.register_load_state_dict_post_hook(
+                lambda o: store.after_step(o, list(o.state), self.training_state.parameter_of)))
+        self._io = _io_counters("/proc/self/io")
+        if self.rank == 0:
+            log.info(self.table(grads, state))
+
+    def table(self, grads: int, state: int) -> str:
+        store = self.store
+        assert store is not None
+        streamed = [u for u in store.units if u.streamed]
+        resident = store.units[-1]
+        held = store.nbytes()
+        w_streamed = sum(u.nbytes for u in streamed)
+        weights = held.get("weight", 0)
+        extra = sum(v for k, v in held.items() if k not in ("weight", "grad"))
+        # per step: weights in forward and again in backward, gradients out, the norm (and a clip) reads them,
+        # the step reads weights, gradients, masters and state, and writes weights, masters and state
+        read = 2 * w_streamed + grads + weights + grads + extra + state
+        written = grads + weights + extra + state
+        lines = [
+            f"out-of-core store: {store.folder} (prefetch={store.prefetch_mode})",
+            f"  streamed: {len(streamed)} units"
+            + (f" ({streamed[0].name} .. {streamed[-1].name}, up to {fmt_bytes(max(u.nbytes for u in streamed))}"
+               " of weights each; one in use, the next read ahead)" if streamed else ""),
+            f"  resident: {len(resident.params)} parameters, {fmt_bytes(resident.nbytes)} of weights (used by the"
+            " modules outside the units: embeddings, head); their gradients and state are streamed",
+            f"  store: weights {fmt_bytes(weights)}, masters/compensation {fmt_bytes(extra)};"
+            f" reserved for gradients {fmt_bytes(grads)} and optimizer state ~{fmt_bytes(state)}",
+            f"  per optimizer step (estimate): read {fmt_bytes(read)}, written {fmt_bytes(written)}",
+        ]
+        if self.disk is not None:
+            r, w = self.disk
+            lines.append(f"  disk (measured): read {r / 1e6:.0f} MB/s, write {w / 1e6:.0f} MB/s -> {read / r + written / w:.2f}"
+                         " s of disk time per step, hidden behind compute as far as the step is longer")
+        return "\n".join(lines)
+
+    def after_optimizer_step(self) -> None:
+        r, w = _io_counters("/proc/self/io")
+        self.last_read, self.last_written = r - self._io[0], w - self._io[1]
+        self._io = (r, w)
+
+    def metrics(self) -> dict[str, float]:
+        """The last step's disk bytes, and the I/O thread's achieved read bandwidth against the measured one."""
+        store = self.store
+        out: dict[str, float] = {"bytes_read": self.last_read, "bytes_written": self.last_written}
+        if store is not None and store.read_seconds > 0:
+            out["read_bw"] = store.read_bytes / store.read_seconds
+            if self.disk is not None:
+                out["read_bw_fraction"] = out["read_bw"] / self.disk[0]
+        return out
+
+    def teardown(self) -> None:
+        for h in self._load_hooks:
+            h.remove()
+        self._load_hooks.clear()
+        for s in reversed(self._steps):
+            s.remove()
+        self._steps.clear()
+        if self.store is not None:
+            self.store.uninstall()
+            self.store = None
+        self.training_state.store = None
+        if self.folder is not None:
+            try:
+                os.rmdir(self.folder)  # empty: every file was unlinked at creation
+            except OSError:
+                pass
+
+
+__all__ = ["OutOfCore", "store_folder"]

@@ -1,0 +1,286 @@
+"""StateStore: every per-parameter tensor of training in memory-mapped files, one file per (layer, kind).
+
+The kinds: ``weight`` (the module parameter itself: ``p.data`` becomes a view, so Parameter objects, hooks,
+optimizers and state_dict keys are untouched), ``grad``, ``master`` / ``master_grad`` (bf16-true with fp32
+masters), ``compensation`` (Kahan), and ``state.<key>.<dtype>`` (each per-element optimizer state tensor). A layer's
+file of one kind is created at that kind's first tensor, sized for all the layer's parameters, and carved in order.
+
+Values never change on the way in: a tensor placed in the store is copied into its view bit for bit, so a run
+with a store computes exactly what the same run in RAM computes. What the store changes is where the bytes are
+between uses; :class:`StateStore` moves a layer's pages in (prefetch, on the I/O thread) before it is used and out
+(unmap, write back, drop from the page cache) after:
+
+- forward: a unit's weights are prefetched when the previous unit starts, and unmapped when it has run (the last
+  unit stays: its backward comes next);
+- backward: a unit's gradients go into the store as they are accumulated; when the unit is complete its weights
+  and gradients leave memory and the unit before it is prefetched;
+- the gradient norm, clipping and the fp32 masters' copy-back walk the gradients layer by layer (:meth:`stream`);
+- the optimizer step runs layer by layer (store/step.py), reading and writing each layer's state once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Iterable, Iterator, Optional
+
+import torch
+from torch import Tensor
+
+from lightning_horizon.precision.policy import per_element
+from lightning_horizon.store.files import READ_CHUNK, MappedFile, Reservation, align
+from lightning_horizon.store.units import Unit
+
+log = logging.getLogger(__name__)
+
+WEIGHT, GRAD = "weight", "grad"
+
+
+def _io_counters(path: str = "/proc/thread-self/io") -> tuple[int, int]:
+    """(read_bytes, write_bytes) this thread (or process) sent to storage so far; (0, 0) where not readable."""
+    try:
+        with open(path) as f:
+            fields = dict(line.split(": ") for line in f.read().splitlines())
+        return int(fields["read_bytes"]), int(fields["write_bytes"])
+    except (OSError, KeyError, ValueError):
+        return 0, 0
+
+
+class StateStore:
+    """The store of one rank: files under ``folder``, the units, the I/O thread."""
+
+    def __init__(self, folder: str, units: list[Unit], prefetch: str) -> None:
+        self.folder = folder
+        self.units = units
+        self.prefetch_mode = prefetch
+        self.unit_of: dict[int, Unit] = {id(p): u for u in units for p in u.params}
+        self._order = [u for u in units if u.streamed]  # forward order
+        self._files: dict[tuple[int, str], MappedFile] = {}
+        self._views: dict[tuple[int, str], Tensor] = {}
+        self._dirty: set[tuple[int, str]] = set()
+        self._ready: dict[int, int] = {}  # unit index -> parameters whose gradient arrived in this backward
+        self._inflight: dict[int, Future] = {}
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="horizon-store-io")
+        self._scratch = memoryview(bytearray(READ_CHUNK)) if prefetch == "read" else None
+        self._lock = threading.Lock()
+        #: bytes and seconds of the I/O thread's prefetch reads that reached the disk (achieved read bandwidth)
+        self.read_bytes = 0
+        self.read_seconds = 0.0
+        self._reserve: Optional[Reservation] = None
+        self._hooks: list[Any] = []
+
+    def reserve(self, nbytes: int) -> None:
+        """Hold ``nbytes`` of disk now for what the first backward and step will create (gradients, optimizer state):
+        a full disk fails here, at setup, not in the middle of a step."""
+        self._reserve = Reservation(self.folder, nbytes)
+
+    # ------------------------------------------------------------------ placement
+
+    def file(self, unit: Unit, kind: str, dtype: torch.dtype) -> MappedFile:
+        key = (unit.index, kind)
+        f = self._files.get(key)
+        if f is None:
+            size = torch.empty((), dtype=dtype).element_size()
+            nbytes = sum(-(-p.numel() * size // 64) * 64 for p in unit.params)
+            if self._reserve is not None:
+                self._reserve.take(align(nbytes))  # the reserved space becomes this file's
+            f = self._files[key] = MappedFile(self.folder, f"unit{unit.index}-{kind}-{os.getpid()}.bin", nbytes)
+        return f
+
+    def view(self, param: Tensor, kind: str, like: Tensor) -> Tensor:
+        """The store's tensor for ``param``'s ``kind`` (shape and dtype of ``like``), created on first use."""
+        key = (id(param), kind)
+        v = self._views.get(key)
+        if v is None or v.shape != like.shape or v.dtype != like.dtype:
+            v = self._views[key] = self.file(self.unit_of[id(param)], kind, like.dtype).view(like.shape, like.dtype)
+        return v
+
+    def knows(self, param: Tensor) -> bool:
+        return id(param) in self.unit_of
+
+    @torch.no_grad()
+    def place(self, param: Tensor, kind: str, tensor: Tensor) -> Tensor:
+        """``tensor``'s values in the store's view (returned); a parameter the store does not hold: ``tensor``."""
+        if not self.knows(param) or not tensor.is_floating_point():
+            return tensor
+        v = self.view(param, kind, tensor)
+        if v is not tensor:
+            v.copy_(tensor)
+            self._dirty.add((self.unit_of[id(param)].index, kind))
+        return v
+
+    def install(self) -> None:
+        """Every held parameter's data moves into the store (same Parameter objects); the hooks that stream the
+        weights in forward and store the gradients in backward go on."""
+        for u in self.units:
+            for p in u.params:
+                p.data = self.place(p, WEIGHT, p.data)
+            self.release(u)
+            if u.module is not None:
+                self._hooks.append(u.module.register_forward_pre_hook(lambda m, a, u=u: self.before_forward(u)))
+                self._hooks.append(u.module.register_forward_hook(lambda m, a, o, u=u: self.after_forward(u)))
+        for p in (p for u in self.units for p in u.params):
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_arrived))
+
+    def new_step(self) -> None:
+        """A step boundary: gradients counted from here on belong to the next backward."""
+        self._ready.clear()
+
+    @torch.no_grad()
+    def after_step(self, optimizer: Any, params: Iterable[Tensor], parameter_of: Callable[[Tensor], Tensor]) -> None:
+        """``params`` (keys of ``optimizer.state``; masters stand for their parameters through ``parameter_of``)
+        were just stepped: their per-element optimizer state moves into the store, and their units, written to,
+        leave memory."""
+        touched: dict[int, Unit] = {}
+        for x in params:
+            p = parameter_of(x)
+            if not self.knows(p):
+                continue
+            st = optimizer.state.get(x) or {}
+            for k, value in list(st.items()):
+                if per_element(k, value, x):
+                    st[k] = self.place(p, f"state.{k}.{str(value.dtype).removeprefix('torch.')}", value)
+            u = self.unit_of[id(p)]
+            touched[u.index] = u
+        for u in touched.values():
+            for key, _ in self._unit_files(u):
+                if key[1] != GRAD:
+                    self._dirty.add(key)
+            self.release(u)
+
+    # ------------------------------------------------------------------ gradients (backward)
+
+    def _grad_arrived(self, p: Tensor) -> None:
+        if p.grad is None:
+            return
+        p.grad = self.place(p, GRAD, p.grad)
+        u = self.unit_of[id(p)]
+        n = self._ready.get(u.index, 0) + 1
+        if n < len(u.params):
+            self._ready[u.index] = n
+            return
+        self._ready.pop(u.index, None)
+        self.release(u)  # the unit's backward is over: weights and gradients leave memory
+        if u.streamed and u.index > 0:
+            self.prefetch(self.units[u.index - 1], (WEIGHT,))
+
+    # ------------------------------------------------------------------ forward
+
+    def before_forward(self, u: Unit) -> None:
+        backward = torch._C._current_graph_task_id() != -1  # a recompute, inside backward
+        nxt = u.index - 1 if backward else u.index + 1
+        if 0 <= nxt < len(self._order):
+            self.prefetch(self._order[nxt], (WEIGHT,))
+
+    def after_forward(self, u: Unit) -> None:
+        backward = torch._C._current_graph_task_id() != -1
+        if not backward and torch.is_grad_enabled() and u.index == len(self._order) - 1:
+            return  # the last unit's backward comes right after the rest of the forward
+        if not backward:
+            self.release(u, (WEIGHT,))
+
+    # ------------------------------------------------------------------ page movement
+
+    def _unit_files(self, u: Unit, kinds: Optional[Iterable[str]] = None) -> list[tuple[tuple[int, str], MappedFile]]:
+        want = None if kinds is None else set(kinds)
+        return [(k, f) for k, f in self._files.items() if k[0] == u.index and (want is None or k[1] in want)]
+
+    def prefetch(self, u: Unit, kinds: Optional[Iterable[str]] = None) -> None:
+        """Start bringing ``u``'s files (of ``kinds``; all by default) into the page cache."""
+        if self.prefetch_mode == "none" or u.index in self._inflight and not self._inflight[u.index].done():
+            return
+        files = [f for _, f in self._unit_files(u, kinds)]
+        self._inflight[u.index] = self._io.submit(self._prefetch_job, files)
+
+    def _prefetch_job(self, files: list[MappedFile]) -> None:
+        r0, _ = _io_counters()
+        t0 = time.perf_counter()
+        for f in files:
+            f.prefetch(self.prefetch_mode, self._scratch)
+        r1, _ = _io_counters()
+        with self._lock:
+            if r1 > r0:
+                self.read_bytes += r1 - r0
+                self.read_seconds += time.perf_counter() - t0
+
+    def release(self, u: Unit, kinds: Optional[Iterable[str]] = None) -> None:
+        """``u``'s files (of ``kinds``) leave this process's memory now; dirty ones are written back (I/O thread)."""
+        if not u.streamed and kinds == (WEIGHT,):
+            return  # the resident unit's weights stay
+        for key, f in self._unit_files(u, kinds):
+            if key[1] == WEIGHT and not u.streamed:
+                continue
+            f.unmap()
+            dirty = key in self._dirty
+            self._dirty.discard(key)
+            self._io.submit(f.writeback, dirty)
+
+    def mark_dirty(self, units: Iterable[int], kinds: Optional[Iterable[str]] = None) -> None:
+        for i in units:
+            for key, _ in self._unit_files(self.units[i], kinds):
+                self._dirty.add(key)
+
+    def stream(self, params: Iterable[Tensor], key: Callable[[Tensor], Tensor] = lambda p: p, dirty: bool = False,
+               kinds: tuple[str, ...] = (GRAD,)) -> Iterator[Tensor]:
+        """``params`` in their order, the ``kinds`` files of one unit (that of ``key(p)``: a master's parameter) brought
+        in ahead and released behind (written back when the caller wrote to them: ``dirty``)."""
+        params = list(params)
+        units = [self.unit_of.get(id(key(p))) for p in params]
+        current: Optional[Unit] = None
+        for i, (p, u) in enumerate(zip(params, units)):
+            if u is not current:
+                self._leave(current, dirty, kinds)
+                current = u
+                nxt = next((v for v in units[i + 1:] if v is not u and v is not None), None)
+                if nxt is not None:
+                    self.prefetch(nxt, kinds)
+            yield p
+        self._leave(current, dirty, kinds)
+
+    def _leave(self, u: Optional[Unit], dirty: bool, kinds: tuple[str, ...]) -> None:
+        if u is None:
+            return
+        if dirty:
+            self.mark_dirty([u.index], kinds)
+        self.release(u, kinds)
+
+    def drain(self) -> None:
+        """Wait for every queued prefetch and write-back."""
+        self._io.submit(lambda: None).result()
+
+    # ------------------------------------------------------------------ accounting and teardown
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes the store holds, by kind (``state.*`` summed as ``state``)."""
+        out: dict[str, int] = {}
+        for (_, kind), f in self._files.items():
+            k = "state" if kind.startswith("state.") else kind
+            out[k] = out.get(k, 0) + f.nbytes
+        return out
+
+    def uninstall(self) -> None:
+        """Parameters get private memory back (the module leaves the fit as it came in); the rest of the store (the
+        optimizer state, masters) stays mapped for as long as something holds it, on disk space already unlinked."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self.drain()
+        for u in self.units:
+            for p in u.params:
+                p.data = p.data.clone()
+                if p.grad is not None:
+                    p.grad = p.grad.clone()
+            self.release(u)
+        self.drain()
+        self._io.shutdown(wait=True)
+        if self._reserve is not None:
+            self._reserve.take(self._reserve.nbytes)
+            self._reserve = None
+        for f in self._files.values():
+            f.close()
+
+
+__all__ = ["StateStore", "WEIGHT", "GRAD"]

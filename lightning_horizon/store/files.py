@@ -28,7 +28,7 @@ from torch import Tensor
 from lightning_horizon.memory.probe import fmt_bytes
 
 PAGE = mmap.PAGESIZE
-READ_CHUNK = 8 << 20  # bytes per preadv of a "read" prefetch
+READ_CHUNK = 2 << 20  # bytes per preadv of a "read" prefetch (its scratch buffer is resident)
 
 
 class StoreSpaceError(OSError):

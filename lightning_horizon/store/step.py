@@ -31,6 +31,8 @@ class StreamedStep:
         self.optimizer, self.store, self.training_state = optimizer, store, training_state
         self._previous = optimizer.__dict__.get("step", _MISSING)  # a scheduler's step counter wraps it so
         self._original = optimizer.step
+        if hasattr(self._original, "_wrapped_by_lr_sched"):  # it still counts the steps a scheduler checks for
+            self._wrapped_by_lr_sched = True
         optimizer.step = self  # type: ignore[method-assign]
 
     def parts(self) -> list[Part]:

@@ -9,7 +9,10 @@ process group). A run is
      "strategy": {"collectives": ..., "compression": ..., "sync_every": ...},
      "sharding": null|"auto"|"forced", "backoff": bool, "steps": N, "epoch_steps": E,
      "save_at": K|null, "resume_from": PATH|null, "expect_error": [substrings]|null, "round_init": bool,
-     "scheduler": bool, "gradient_clip_val": float|null}
+     "scheduler": bool, "gradient_clip_val": float|null, "kill_at": K|null}
+
+``strategy["state_store"]``, a dict, is a ``StoreConfig``'s arguments (out-of-core training); ``kill_at`` SIGKILLs
+the process at the start of training step K (a crash: the test checks what it left behind, then resumes).
 
 ``steps`` and ``save_at`` count training steps (a manual step with two optimizers is two of Lightning's
 global steps); an epoch is ``epoch_steps`` training steps, so a checkpoint at an epoch boundary resumes exactly.
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -47,6 +51,7 @@ if str(REPO) not in sys.path:
 
 from lightning_horizon import GradNormBackoff, HorizonPrecision, HorizonStrategy  # noqa: E402
 from lightning_horizon.sharding import ShardingConfig  # noqa: E402
+from lightning_horizon.store import StoreConfig  # noqa: E402
 from tests.scripts.composition_models import BATCH, bad_tensors, build, dataset, module_bad_tensors  # noqa: E402
 
 ROOMY = 1 << 40  # a byte budget no tiny model reaches: the first plan recomputes nothing
@@ -89,6 +94,8 @@ class Recorder(L.Callback):
         self.recomputed: list[str] = []  # which, in the last plan
         self.backoff: Optional[GradNormBackoff] = None
         self.norms: dict[int, list[float]] = {}  # global step -> the backoff's pre-clip norm per optimizer
+        self.store_kinds: list[str] = []  # out-of-core: the kinds of tensors in the store's files
+        self.store_holds: list[bool] = []  # [every trainable parameter, every optimizer state tensor] in the store
 
     def _check(self, what, where: str) -> None:
         self.violations += bad_tensors(what, where)
@@ -117,6 +124,13 @@ class Recorder(L.Callback):
             self.rows[trainer.global_step] = true_weights(trainer, pl_module)
         if self.backoff is not None and trainer.global_step not in self.norms:
             self.norms[trainer.global_step] = [s.last_grad_norm for s in self.backoff.states]
+        store = getattr(trainer.strategy, "store", None)
+        if store is not None and store.store is not None:  # out-of-core: what lives in the store's files
+            held = {v.data_ptr() for v in store.store._views.values()}
+            self.store_kinds = sorted({kind.split(".")[0] for _, kind in store.store._views})
+            self.store_holds = [all(p.data_ptr() in held for p in pl_module.parameters() if p.requires_grad),
+                                all(v.data_ptr() in held for o in trainer.optimizers for st in o.state.values()
+                                    for v in st.values() if torch.is_tensor(v) and v.dim() > 0)]
         sharder = getattr(trainer.strategy, "sharder", None)
         if sharder is not None and sharder.plan is not None:
             self.recompute.append(len(sharder.plan.recompute))
@@ -124,6 +138,18 @@ class Recorder(L.Callback):
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint):
         self._check(checkpoint, "on_save_checkpoint(checkpoint)")
+
+
+class Kill(L.Callback):
+    """SIGKILL this process at the start of training step ``step``: a crash, nothing cleaned up."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            print(f"KILLED at step {self.step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 class Squeeze(L.Callback):
@@ -179,12 +205,17 @@ def fit(run: dict, out: Path, seen: dict) -> dict:
         recorder.backoff = backoff
     if run["sharding"] == "forced":
         callbacks.append(Squeeze())
+    if run.get("kill_at"):
+        callbacks.append(Kill(run["kill_at"]))
+    strategy_args = dict(run["strategy"])
+    if isinstance(strategy_args.get("state_store"), dict):
+        strategy_args["state_store"] = StoreConfig(**strategy_args["state_store"])
     if run.get("save_at"):
         callbacks.append(ModelCheckpoint(dirpath=out / f"{run['name']}.ckpt", filename="{step}",
                                          every_n_train_steps=run["save_at"] * n_opt, save_top_k=-1,
                                          save_last=False))
     strategy = HorizonStrategy(ranks_per_node=run["ranks_per_node"], threads_per_rank=1, timeout=45,
-                               sharding=sharding_of(run), bucket_size_mb=0.004, **run["strategy"])
+                               sharding=sharding_of(run), bucket_size_mb=0.004, **strategy_args)
     trainer = L.Trainer(
         accelerator="cpu", devices=run["world"], strategy=strategy, callbacks=callbacks,
         max_steps=run["steps"] * n_opt, max_epochs=-1, accumulate_grad_batches=accumulate, logger=False,
@@ -221,6 +252,8 @@ def fit(run: dict, out: Path, seen: dict) -> dict:
         "error": None,
         # node-sharded state maps the node's weights from /dev/shm during fit only: nothing may stay mapped
         "shm_after_fit": "lightning-horizon-" in Path("/proc/self/maps").read_text(),
+        "store_kinds": recorder.store_kinds,
+        "store_holds": recorder.store_holds,
     }
 
 

@@ -1,0 +1,64 @@
+"""Peak memory of a fit with and without the out-of-core store: python out_of_core_memory.py ram|store FOLDER
+
+Prints one JSON line: the bytes of what training adds to the weights (fp32 gradients and AdamW's two moments: 12 per
+parameter), how much the peak RSS (VmHWM) grew from the start of training to its end, and the last loss. Run it
+with glibc's mmap threshold fixed (MALLOC_MMAP_THRESHOLD_), as the test does: freed buffers go back to the system,
+so that the peak measures what is live, not what the allocator kept.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from lightning_horizon import HorizonStrategy  # noqa: E402
+from lightning_horizon.memory.probe import peak_rss, reset_peak_rss  # noqa: E402
+from lightning_horizon.store import StoreConfig  # noqa: E402
+from recipes.gpt import GPT, GPTConfig  # noqa: E402
+
+arm, folder = sys.argv[1], sys.argv[2]
+
+
+class Peak(L.Callback):
+    def on_train_start(self, trainer, pl_module):
+        reset_peak_rss()
+        self.start = peak_rss()
+
+    def on_train_end(self, trainer, pl_module):
+        self.end = peak_rss()  # before teardown gives the parameters private memory back
+
+
+peak = Peak()
+EXTRA = [peak]
+L.seed_everything(3, verbose=False)
+cfg = GPTConfig(vocab_size=64, block_size=32, n_layer=8, n_head=4, n_embd=256)
+
+
+class Model(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gpt = GPT(cfg)
+
+    def training_step(self, batch, batch_idx):
+        idx, targets = batch
+        loss = torch.nn.functional.cross_entropy(self.gpt(idx).flatten(0, 1), targets.flatten())
+        self.last = float(loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+model = Model()
+n = sum(p.numel() for p in model.parameters())
+data = torch.utils.data.TensorDataset(torch.randint(0, 64, (16, 32)), torch.randint(0, 64, (16, 32)))
+store = StoreConfig(path=folder, probe_bytes=0) if arm == "store" else None
+trainer = L.Trainer(accelerator="cpu", devices=1, strategy=HorizonStrategy(state_store=store), max_steps=3, callbacks=EXTRA,
+                    logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=2))
+print(json.dumps({"added": 12 * n, "grown": peak.end - peak.start, "loss": model.last}))

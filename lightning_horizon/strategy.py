@@ -308,7 +308,8 @@ class HorizonStrategy(CheckpointParts, DDPStrategy):
         trainer = getattr(self.lightning_module, "_trainer", None)
         if self._store_config is not None and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             # Before DDP, the optimizers and the precision plugin: masters and optimizer state are born in the store
-            part = OutOfCore(self._store_config, self.training_state, self.global_rank)
+            part = OutOfCore(self._store_config, self.training_state, self.global_rank, lambda: self.sharder,
+                             budgeted=self._sharding is not None)
             part.install(model, store_folder(self._store_config, trainer))
             self.parts.add("store", part)
         if self.world_size == 1:

@@ -11,7 +11,8 @@ from lightning.pytorch.trainer.states import RunningStage
 
 
 def test_optimizer_step_hook_dicts():
-    """Kahan steps in chunks and runs the step pre-/post-hooks once per training step by swapping these dicts."""
+    """Kahan's chunks and the store's layers (optim_parts.step_in_parts) run the step pre-/post-hooks once per
+    training step by swapping these dicts."""
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     calls = []
     opt.register_step_pre_hook(lambda *a: calls.append("pre"))
@@ -22,6 +23,33 @@ def test_optimizer_step_hook_dicts():
     opt.step()
     opt._optimizer_step_pre_hooks = saved
     assert calls == ["post"]
+
+
+def test_graph_task_id_tells_a_recompute_inside_backward():
+    """The out-of-core store reads ahead the unit before a recomputed one: a forward inside backward is a recompute."""
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            seen.append(torch._C._current_graph_task_id())
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append(torch._C._current_graph_task_id())
+            return g * 2
+
+    Probe.apply(torch.ones(1, requires_grad=True)).sum().backward()
+    assert seen[0] == -1 and seen[1] != -1
+
+
+def test_scheduler_marks_its_step_wrapper():
+    """The store's layer-by-layer step replaces ``optimizer.step`` after a scheduler wrapped it: it keeps the mark
+    the scheduler checks (else torch warns that ``step`` was overridden) and calls the wrapper, which counts."""
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    torch.optim.lr_scheduler.StepLR(opt, 1)
+    assert hasattr(opt.step, "_wrapped_by_lr_sched") and "step" in opt.__dict__
 
 
 def test_module_parameters_dict_swap_keeps_state_dict_keys():

@@ -393,3 +393,35 @@ def test_peak_memory_is_a_layer_not_the_state(tmp_path):
     # the same fit with the store: everything but what the gradients and the state take (measured: 86% of them)
     assert figures["ram"]["grown"] - figures["store"]["grown"] >= 0.6 * added, figures
     assert figures["store"]["loss"] == figures["ram"]["loss"]
+
+
+def test_units_are_pinned_as_measured_memory_allows(tmp_path):
+    """With a sharding budget far above the measured peak the store keeps units' weights mapped, the last units first,
+    one per measured step; a budget squeezed below the peak gives them back. Values do not change (the pairwise
+    cases with recompute run through both)."""
+    sys.path.insert(0, str(REPO))
+    from lightning_horizon.sharding import ShardingConfig
+    from tests.scripts.composition_models import build
+
+    pinned = []
+
+    class Watch(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, *a):
+            store = trainer.strategy.store
+            pinned.append(sorted(store.store.pinned))
+            if trainer.global_step == 8:  # squeeze: every measured step is now above the headroom
+                trainer.strategy.sharder.budget = trainer.strategy.sharder.last_peak // 2
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=14, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[Watch()],
+                        strategy=HorizonStrategy(state_store=StoreConfig(path=str(tmp_path / "s"), probe_bytes=0),
+                                                 sharding=ShardingConfig(budget=1 << 40, adaptive=False)))
+    sys.path.insert(0, str(REPO))
+    from tests.scripts.composition_models import BATCH, dataset
+
+    trainer.fit(build("gpt", "automatic"), torch.utils.data.DataLoader(dataset("gpt", 64), batch_size=BATCH))
+    first = next(p for p in pinned if p)
+    assert pinned[0] == [] and first == [1]  # after a measured step, not before; the last unit (of 2) first
+    assert [0, 1] in pinned[:9]  # then the one before it
+    assert pinned[-1] == []  # squeezed: given back
+    assert trainer.strategy.store is None  # the part is gone after fit

@@ -26,6 +26,7 @@ from lightning_horizon.collectives import CollectivesConfig
 from lightning_horizon.collectives.layout import BucketLayout, Piece
 from lightning_horizon.memory import AVAILABLE_MEMORY_ENV, current_rss
 from lightning_horizon.sharding import GraphSharder, ShardingConfig
+from lightning_horizon.store import StoreConfig
 from tests.launch import REPO, run_script
 from tests.scripts.sharding_models import LitGPT, tiny_gpt
 
@@ -85,6 +86,11 @@ BAD = [
     (S, {"state": "node_sharded", "collectives": "torus2d"}, "collectives", "torus2d", "'flat', 'hierarchical'"),
     (S, {"state": "node_sharded", "compression": "int8"}, "compression", "int8", "use compression=None"),
     (S, {"state": "node_sharded", "sync_every": 2}, "sync_every", 2, "use sync_every=1"),
+    (S, {"state_store": 3}, "state_store", 3, "None, 'auto' (next to the checkpoints), a folder path"),
+    (S, {"state_store": "auto", "state": "node_sharded"}, "state_store", "auto", "use state='replicated'"),
+    (StoreConfig, {"prefetch": "mmap"}, "prefetch", "mmap", "('read', 'readahead', 'none')"),
+    (StoreConfig, {"probe_bytes": -1}, "probe_bytes", -1, "int >= 0"),
+    (StoreConfig, {"path": 5}, "path", 5, "a folder path"),
     (C, {"int8_block": 0}, "int8_block", 0, "int >= 1"),
     (C, {"pipeline_chunk_mb": NAN}, "pipeline_chunk_mb", NAN, "finite number > 0"),
     (C, {"pipeline_chunk_mb": INF}, "pipeline_chunk_mb", INF, "finite number > 0"),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from torch import nn
 
@@ -28,6 +28,10 @@ from lightning_horizon.store.units import plan_units
 
 log = logging.getLogger(__name__)
 
+#: units' weights are pinned while the measured peak plus twice the next unit's weights stays below this fraction
+#: of the sharding budget (the sharder re-plans above its headroom, 0.95 by default)
+PIN_BELOW = 0.85
+
 
 def store_folder(config: StoreConfig, trainer: Any) -> str:
     """The folder the store goes in: ``config.path``, else ``horizon-store/`` next to the checkpoints."""
@@ -41,8 +45,12 @@ def store_folder(config: StoreConfig, trainer: Any) -> str:
 class OutOfCore(Part):
     """The out-of-core store of one rank and what it measures."""
 
-    def __init__(self, config: StoreConfig, training_state: TrainingState, rank: int) -> None:
+    def __init__(self, config: StoreConfig, training_state: TrainingState, rank: int,
+                 sharder: Callable[[], Any] = lambda: None, budgeted: bool = False) -> None:
         self.config = config
+        self.budgeted = budgeted  # a sharding budget exists: units may be pinned as measured memory allows
+        self._sharder = sharder  # the strategy's GraphSharder, once it exists: the budget and the measured peak
+        self._changed_at = -2  # the sharder's step count when the pinned units last changed
         self.training_state = training_state
         self.rank = rank
         self.store: Optional[StateStore] = None
@@ -111,6 +119,9 @@ class OutOfCore(Part):
             f"  store: weights {fmt_bytes(weights)}, masters/compensation {fmt_bytes(extra)};"
             f" reserved for gradients {fmt_bytes(grads)} and optimizer state ~{fmt_bytes(state)}",
             f"  per optimizer step (estimate): read {fmt_bytes(read)}, written {fmt_bytes(written)}",
+            "  pinned: " + (f"units' weights stay mapped while the measured peak leaves room under {PIN_BELOW:.0%}"
+                            " of the sharding budget, the last units first" if self.budgeted else
+                            "none (no sharding budget: every unit streams)"),
         ]
         if self.disk is not None:
             r, w = self.disk
@@ -122,11 +133,39 @@ class OutOfCore(Part):
         r, w = _io_counters("/proc/self/io")
         self.last_read, self.last_written = r - self._io[0], w - self._io[1]
         self._io = (r, w)
+        self._follow_memory()
+
+    def _follow_memory(self) -> None:
+        """With a sharding budget, keep units' weights mapped (no reads of them) while the measured peak leaves room
+        below ``PIN_BELOW`` x budget, one unit at a time, the last units first (their weights are used soonest
+        again); give one back when the peak passes the sharder's headroom. Every change waits for a step measured
+        with it (the sharder measures each step's peak after this hook)."""
+        sharder, store = self._sharder(), self.store
+        if sharder is None or store is None or sharder.budget is None or sharder.last_peak is None:
+            return
+        if sharder.steps < self._changed_at + 2:
+            return
+        budget, peak = sharder.budget, sharder.last_peak
+        free = [u for u in reversed(store.units) if u.streamed and u.index not in store.pinned]
+        pinned = [u for u in store.units if u.index in store.pinned]
+        if peak > sharder.config.headroom * budget and pinned:
+            unit, what = pinned[0], "released"
+            store.unpin(unit)
+        elif free and peak + 2 * free[0].nbytes <= PIN_BELOW * budget:
+            unit, what = free[0], "pinned"
+            store.pin(unit)
+        else:
+            return
+        self._changed_at = sharder.steps
+        log.info(f"state_store[rank {self.rank}]: {what} the weights of {unit.name} ({fmt_bytes(unit.nbytes)}):"
+                 f" measured peak {fmt_bytes(peak)} = {peak / budget:.0%} of the budget {fmt_bytes(budget)};"
+                 f" {len(store.pinned)} of {len(store.units) - 1} units pinned")
 
     def metrics(self) -> dict[str, float]:
         """The last step's disk bytes, and the I/O thread's achieved read bandwidth against the measured one."""
         store = self.store
-        out: dict[str, float] = {"bytes_read": self.last_read, "bytes_written": self.last_written}
+        out: dict[str, float] = {"bytes_read": self.last_read, "bytes_written": self.last_written,
+                                 "pinned_units": len(store.pinned) if store is not None else 0}
         if store is not None and store.read_seconds > 0:
             out["read_bw"] = store.read_bytes / store.read_seconds
             if self.disk is not None:

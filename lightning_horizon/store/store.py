@@ -62,6 +62,8 @@ class StateStore:
         self._views: dict[tuple[int, str], Tensor] = {}
         self._dirty: set[tuple[int, str]] = set()
         self._ready: dict[int, int] = {}  # unit index -> parameters whose gradient arrived in this backward
+        #: streamed units whose weights stay mapped, as measured memory allows (OutOfCore decides)
+        self.pinned: set[int] = set()
         self._inflight: dict[int, Future] = {}
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="horizon-store-io")
         self._scratch = memoryview(bytearray(READ_CHUNK)) if prefetch == "read" else None
@@ -192,7 +194,7 @@ class StateStore:
         """Start bringing ``u``'s files (of ``kinds``; all by default) into the page cache."""
         if self.prefetch_mode == "none" or u.index in self._inflight and not self._inflight[u.index].done():
             return
-        files = [f for _, f in self._unit_files(u, kinds)]
+        files = [f for key, f in self._unit_files(u, kinds) if not (key[1] == WEIGHT and u.index in self.pinned)]
         self._inflight[u.index] = self._io.submit(self._prefetch_job, files)
 
     def _prefetch_job(self, files: list[MappedFile]) -> None:
@@ -207,16 +209,25 @@ class StateStore:
                 self.read_seconds += time.perf_counter() - t0
 
     def release(self, u: Unit, kinds: Optional[Iterable[str]] = None) -> None:
-        """``u``'s files (of ``kinds``) leave this process's memory now; dirty ones are written back (I/O thread)."""
-        if not u.streamed and kinds == (WEIGHT,):
-            return  # the resident unit's weights stay
+        """``u``'s files (of ``kinds``) leave this process's memory now; dirty ones are written back (I/O thread).
+        The weights of the resident unit and of pinned units stay mapped (written back when dirty)."""
         for key, f in self._unit_files(u, kinds):
-            if key[1] == WEIGHT and not u.streamed:
-                continue
-            f.unmap()
             dirty = key in self._dirty
             self._dirty.discard(key)
+            if key[1] == WEIGHT and (not u.streamed or u.index in self.pinned):
+                if dirty:
+                    self._io.submit(os.fdatasync, f.fd)
+                continue
+            f.unmap()
             self._io.submit(f.writeback, dirty)
+
+    def pin(self, u: Unit) -> None:
+        """Keep ``u``'s weights mapped from now on (no reads of them in forward, backward and the step)."""
+        self.pinned.add(u.index)
+
+    def unpin(self, u: Unit) -> None:
+        self.pinned.discard(u.index)
+        self.release(u, (WEIGHT,))
 
     def mark_dirty(self, units: Iterable[int], kinds: Optional[Iterable[str]] = None) -> None:
         for i in units:

@@ -80,7 +80,8 @@ class TrainingState:
         store's copy under out-of-core training, else ``tensor`` itself."""
         return tensor if self.store is None else self.store.place(param, kind, tensor)
 
-    def stream(self, params: Iterable[Tensor], dirty: bool = False, kinds: tuple[str, ...] = ("grad",)) -> Iterable[Tensor]:
+    def stream(self, params: Iterable[Tensor], dirty: bool = False,
+               kinds: tuple[str, ...] = ("grad",)) -> Iterable[Tensor]:
         """``params`` in order; under out-of-core training one layer's ``kinds`` at a time is brought in ahead and
         released behind (written back when the caller wrote to them: ``dirty``)."""
         if self.store is None:

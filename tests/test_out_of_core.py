@@ -392,6 +392,8 @@ def test_peak_memory_is_a_layer_not_the_state(tmp_path):
     assert figures["ram"]["grown"] >= added, figures  # the gradients and the state, plus activations and code pages
     # the same fit with the store: everything but what the gradients and the state take (measured: 86% of them)
     assert figures["ram"]["grown"] - figures["store"]["grown"] >= 0.6 * added, figures
+    # teardown gives the weights private memory back one unit at a time and leaves the gradients in the store
+    assert figures["ram"]["after"] - figures["store"]["after"] >= 0.5 * added, figures
     assert figures["store"]["loss"] == figures["ram"]["loss"]
 
 

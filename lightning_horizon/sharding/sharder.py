@@ -18,6 +18,7 @@ Lifecycle (the strategy calls these; a plain training loop can too):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Optional, Union
 
@@ -50,8 +51,8 @@ class GraphSharder(Part):
         recompute_context: ``module -> context manager`` entered around each recompute of ``module``'s call (in
             backward, outside training_step): the precision plugin's ``recompute_context``, which re-establishes
             what its forward context did (fp32 copies of bf16 weights, the default dtype). ``None``: none needed.
-        state_in_memory: whether the optimizer state still to come will be resident (``False`` under the
-            out-of-core store, which keeps it on disk: only the layer in use is in memory).
+        state_in_memory: whether the optimizer state still to come and the gradients backward makes will be resident
+            (``False`` under the out-of-core store, which keeps them on disk: only the layer in use is in memory).
     """
 
     def __init__(
@@ -270,6 +271,8 @@ class GraphSharder(Part):
         self.profile = profile_step(
             module, batch, batch_idx, self.config.profile, self.config.profile_batch_fraction
         )
+        if not self.state_in_memory:  # the out-of-core store takes each layer's gradients to disk as backward goes
+            self.profile = dataclasses.replace(self.profile, pending_grad_bytes=0)
         plan, reason = None, "first plan"
         loaded, self._loaded = self._loaded, None
         if loaded is not None and loaded.get("plan") is not None:

@@ -59,7 +59,8 @@ class MappedFile:
             try:
                 os.posix_fallocate(self.fd, 0, self.nbytes)
             except OSError as e:
-                hint = f" ({fmt_bytes(disk_free(folder))} free there)" if e.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+                full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+                hint = f" ({fmt_bytes(disk_free(folder))} free there)" if full else ""
                 raise StoreSpaceError(
                     e.errno, f"state_store: cannot reserve {fmt_bytes(self.nbytes)} for {self.path}: {e.strerror}{hint}"
                 ) from e

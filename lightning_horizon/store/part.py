@@ -59,9 +59,12 @@ class OutOfCore(Part):
         self._steps: list[StreamedStep] = []
         self._load_hooks: list[Any] = []
         self._io = _io_counters("/proc/self/io")
-        #: the last optimizer step's bytes read from and written to the disk by this process (``/proc/self/io``)
+        #: the last optimizer step's bytes read from and written to the disk by this process (``/proc/self/io``), and
+        #: the reading thread's achieved bandwidth over that step (bytes/s; ``None``: no disk read measured)
         self.last_read = 0
         self.last_written = 0
+        self.last_read_bw: Optional[float] = None
+        self._reads = (0, 0.0)
 
     def install(self, module: nn.Module, folder: str) -> None:
         """Before the optimizers and the precision plugin connect: the weights move into the store."""
@@ -125,14 +128,20 @@ class OutOfCore(Part):
         ]
         if self.disk is not None:
             r, w = self.disk
-            lines.append(f"  disk (measured): read {r / 1e6:.0f} MB/s, write {w / 1e6:.0f} MB/s -> {read / r + written / w:.2f}"
-                         " s of disk time per step, hidden behind compute as far as the step is longer")
+            lines.append(f"  disk (measured): read {r / 1e6:.0f} MB/s, write {w / 1e6:.0f} MB/s ->"
+                         f" {read / r + written / w:.2f} s of disk time per step, hidden behind compute as far as the"
+                         " step is longer")
         return "\n".join(lines)
 
     def after_optimizer_step(self) -> None:
         r, w = _io_counters("/proc/self/io")
         self.last_read, self.last_written = r - self._io[0], w - self._io[1]
         self._io = (r, w)
+        if self.store is not None:
+            read = (self.store.read_bytes, self.store.read_seconds)
+            n, t = read[0] - self._reads[0], read[1] - self._reads[1]
+            self.last_read_bw = n / t if t > 0 else None
+            self._reads = read
         self._follow_memory()
 
     def _follow_memory(self) -> None:
@@ -162,14 +171,15 @@ class OutOfCore(Part):
                  f" {len(store.pinned)} of {len(store.units) - 1} units pinned")
 
     def metrics(self) -> dict[str, float]:
-        """The last step's disk bytes, and the I/O thread's achieved read bandwidth against the measured one."""
+        """The last step's disk bytes, units pinned, and the reading thread's achieved bandwidth over the step, alone
+        and as a fraction of the measured one (``prefetch="read"`` only: a read-ahead's time is the kernel's)."""
         store = self.store
         out: dict[str, float] = {"bytes_read": self.last_read, "bytes_written": self.last_written,
                                  "pinned_units": len(store.pinned) if store is not None else 0}
-        if store is not None and store.read_seconds > 0:
-            out["read_bw"] = store.read_bytes / store.read_seconds
+        if self.last_read_bw is not None:
+            out["read_bw"] = self.last_read_bw
             if self.disk is not None:
-                out["read_bw_fraction"] = out["read_bw"] / self.disk[0]
+                out["read_bw_fraction"] = self.last_read_bw / self.disk[0]
         return out
 
     def teardown(self) -> None:

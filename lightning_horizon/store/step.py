@@ -74,8 +74,8 @@ class StreamedStep:
 
     def remove(self) -> None:
         if self.optimizer.__dict__.get("step") is not self:
-            raise RuntimeError(f"{type(self.optimizer).__name__}.step was replaced after the out-of-core store installed"
-                               " its layer-by-layer step; refusing to overwrite it")
+            raise RuntimeError(f"{type(self.optimizer).__name__}.step was replaced after the out-of-core store"
+                               " installed its layer-by-layer step; refusing to overwrite it")
         if self._previous is _MISSING:
             del self.optimizer.__dict__["step"]
         else:

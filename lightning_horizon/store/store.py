@@ -65,10 +65,13 @@ class StateStore:
         #: streamed units whose weights stay mapped, as measured memory allows (OutOfCore decides)
         self.pinned: set[int] = set()
         self._inflight: dict[int, Future] = {}
-        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="horizon-store-io")
+        # reads ahead and writes back on threads of their own: a read for the next unit never waits behind a write
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="horizon-store-read")
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="horizon-store-write")
         self._scratch = memoryview(bytearray(READ_CHUNK)) if prefetch == "read" else None
         self._lock = threading.Lock()
-        #: bytes and seconds of the I/O thread's prefetch reads that reached the disk (achieved read bandwidth)
+        #: bytes and seconds of the reading thread's prefetches that reached the disk (achieved read bandwidth;
+        #: ``prefetch="read"`` only)
         self.read_bytes = 0
         self.read_seconds = 0.0
         self._reserve: Optional[Reservation] = None
@@ -195,7 +198,7 @@ class StateStore:
         if self.prefetch_mode == "none" or u.index in self._inflight and not self._inflight[u.index].done():
             return
         files = [f for key, f in self._unit_files(u, kinds) if not (key[1] == WEIGHT and u.index in self.pinned)]
-        self._inflight[u.index] = self._io.submit(self._prefetch_job, files)
+        self._inflight[u.index] = self._reader.submit(self._prefetch_job, files)
 
     def _prefetch_job(self, files: list[MappedFile]) -> None:
         r0, _ = _io_counters()
@@ -204,7 +207,8 @@ class StateStore:
             f.prefetch(self.prefetch_mode, self._scratch)
         r1, _ = _io_counters()
         with self._lock:
-            if r1 > r0:
+            # "readahead" returns once the reads are queued: its seconds are no measure of the disk
+            if r1 > r0 and self.prefetch_mode == "read":
                 self.read_bytes += r1 - r0
                 self.read_seconds += time.perf_counter() - t0
 
@@ -216,10 +220,10 @@ class StateStore:
             self._dirty.discard(key)
             if key[1] == WEIGHT and (not u.streamed or u.index in self.pinned):
                 if dirty:
-                    self._io.submit(os.fdatasync, f.fd)
+                    self._writer.submit(os.fdatasync, f.fd)
                 continue
             f.unmap()
-            self._io.submit(f.writeback, dirty)
+            self._writer.submit(f.writeback, dirty)
 
     def pin(self, u: Unit) -> None:
         """Keep ``u``'s weights mapped from now on (no reads of them in forward, backward and the step)."""
@@ -260,7 +264,8 @@ class StateStore:
 
     def drain(self) -> None:
         """Wait for every queued prefetch and write-back."""
-        self._io.submit(lambda: None).result()
+        self._reader.submit(lambda: None).result()
+        self._writer.submit(lambda: None).result()
 
     # ------------------------------------------------------------------ accounting and teardown
 
@@ -273,20 +278,22 @@ class StateStore:
         return out
 
     def uninstall(self) -> None:
-        """Parameters get private memory back (the module leaves the fit as it came in); the rest of the store (the
-        optimizer state, masters) stays mapped for as long as something holds it, on disk space already unlinked."""
+        """Parameters get private memory back, one unit at a time (the module leaves the fit as it came in). The
+        rest (gradients left by the last step, optimizer state, masters) stays in the store's files, unlinked,
+        mapped for as long as something holds it."""
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
         self.drain()
+        self.pinned.clear()
         for u in self.units:
             for p in u.params:
                 p.data = p.data.clone()
-                if p.grad is not None:
-                    p.grad = p.grad.clone()
-            self.release(u)
+            for _, f in self._unit_files(u):
+                f.unmap()
         self.drain()
-        self._io.shutdown(wait=True)
+        self._reader.shutdown(wait=True)
+        self._writer.shutdown(wait=True)
         if self._reserve is not None:
             self._reserve.take(self._reserve.nbytes)
             self._reserve = None

@@ -47,6 +47,12 @@ _DROPPED_VARS = {"MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "GLOBA
                  "OMP_NUM_THREADS", "MKL_NUM_THREADS", layout_cache.CHOSEN_ENV}
 
 
+def clean_env() -> dict[str, str]:
+    """This process's environment as a worker starts with it: as from a clean shell (no launcher state, no thread
+    counts, no layout an outer run chose)."""
+    return {k: v for k, v in os.environ.items() if k not in _DROPPED_VARS}
+
+
 class StepTimer(Callback):
     """The tuner's probe inside a worker: rank 0 writes its step-end times, every rank's peak RSS, the share of the
     machine other processes took while it measured, the workload and the model's sizes to ``$HORIZON_TUNE_OUT``
@@ -235,7 +241,7 @@ def _one(command: Callable[[Layout, Optional[int], Path], list[str]], lay: Layou
         return Result(lay, "refused", note=f"predicted {predicted / 2**30:.2f} GiB > {free / 2**30:.2f} GiB free")
     n = len(list(tmp.glob("*.json")))
     out = tmp / f"{lay.ranks}x{lay.threads}.{n}.json"
-    env = {k: v for k, v in os.environ.items() if k not in _DROPPED_VARS}
+    env = clean_env()
     env.update({OUT_ENV: str(out), WARMUP_ENV: str(warmup)})
     per_rank = None if global_batch is None or lay.ranks == 1 else global_batch // lay.ranks
     t0 = time.perf_counter()

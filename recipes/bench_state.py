@@ -50,16 +50,19 @@ an over-budget candidate runs to its end (the ladder's top bounds what the searc
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
-CGROUP_ENV = "HORIZON_BENCH_CGROUP"
-if os.environ.get(CGROUP_ENV):  # a worker (or a rank its launcher started) joins its run's cgroup before allocating
-    Path(os.environ[CGROUP_ENV], "cgroup.procs").write_text(str(os.getpid()))
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # _bench.py, gpt.py, lm_data.py, pretrain_gpt.py
+
+from _bench import join_cgroup  # noqa: E402
+
+join_cgroup()  # a worker (or a rank its launcher started) joins its run's cgroup before allocating
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import os  # noqa: E402
 import signal  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
@@ -67,8 +70,7 @@ import time  # noqa: E402
 import uuid  # noqa: E402
 from typing import Any, Optional  # noqa: E402
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))  # gpt.py, lm_data.py, pretrain_gpt.py
+from _bench import CGROUP_ENV, cpu_model, new_cgroup, parse_size, remove_cgroup  # noqa: E402
 STATES = ("replicated", "node_sharded")  # the --fit-memory search compares these two
 #: the arms of the comparison: HorizonStrategy keywords (node_sharded shares one copy of the weights per node;
 #: "node_sharded-copies" keeps a copy per rank that the owners update by broadcast)
@@ -136,64 +138,30 @@ def worker(spec: dict[str, Any], out: str) -> None:
 # ---------------------------------------------------------------------------------------------- driver side
 
 
-def new_cgroup() -> Optional[tuple[Path, str]]:
-    """A fresh child of this process's memory cgroup and its peak file, or None (not root, no writable cgroup)."""
-    if os.geteuid() != 0:
-        return None
-    v2 = Path("/sys/fs/cgroup/cgroup.controllers").exists()
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
-        _, controllers, rel = line.split(":", 2)
-        if "memory" in controllers.split(","):
-            base, peak = Path("/sys/fs/cgroup/memory"), "memory.max_usage_in_bytes"
-        elif controllers == "" and v2:
-            base, peak = Path("/sys/fs/cgroup"), "memory.peak"
-        else:
-            continue
-        group = base / rel.strip().lstrip("/") / f"bench_state_{os.getpid()}_{uuid.uuid4().hex[:8]}"
-        try:
-            group.mkdir()
-        except OSError:
-            continue
-        if (group / peak).exists():
-            return group, peak
-        group.rmdir()
-    return None
-
-
-def remove_cgroup(group: Path) -> None:
-    for _ in range(50):  # the killed ranks leave the cgroup as they are reaped
-        try:
-            group.rmdir()
-            return
-        except OSError:
-            time.sleep(0.1)
-    print(f"warning: could not remove {group}", file=sys.stderr)
-
-
 def run_arm(state: str, ranks: int, a: argparse.Namespace, n_embd: int, warmup: int, steps: int,
             tmp: Path) -> dict[str, Any]:
     """One arm in a fresh process group: its figures, or ``{"ok": False, "note": ...}``."""
     from lightning_horizon.layout import Layout
-    from lightning_horizon.tune import _DROPPED_VARS, OUT_ENV, WARMUP_ENV, measure, run_worker
+    from lightning_horizon.tune import OUT_ENV, WARMUP_ENV, clean_env, measure, run_worker
 
     threads = max(1, len(os.sched_getaffinity(0)) // ranks)
     spec = {"state": state, "ranks": ranks, "threads": threads, "precision": a.precision, "steps": warmup + steps,
             "model": {"n_layer": a.n_layer, "n_head": a.n_head, "n_embd": n_embd, "block_size": a.seq},
             "data": {"seq_len": a.seq, "batch_size": a.batch, "max_bytes": a.max_bytes, "cache_dir": a.cache_dir}}
     out = tmp / uuid.uuid4().hex[:12]
-    env = {k: v for k, v in os.environ.items() if k not in _DROPPED_VARS}  # a clean shell, as tune's workers
+    env = clean_env()  # a clean shell, as tune's workers
     env.update({OUT_ENV: f"{out}.json", WARMUP_ENV: str(warmup)})
-    cg = new_cgroup()
+    cg = new_cgroup("bench_state")
     if cg:
-        env[CGROUP_ENV] = str(cg[0])
+        env[CGROUP_ENV] = str(cg.path)
     t0 = time.perf_counter()
     try:
         rc, log = run_worker([sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec),
                               "--out", str(out)], env, a.timeout)
-        cgroup_peak = int((cg[0] / cg[1]).read_text()) if cg else None
+        cgroup_peak = cg.peak() if cg else None
     finally:
         if cg:
-            remove_cgroup(cg[0])
+            remove_cgroup(cg.path)
     wall = time.perf_counter() - t0
     rank_files = sorted(tmp.glob(f"{out.name}.rank*.json"))
     if rc != 0 or not Path(f"{out}.json").exists() or len(rank_files) != ranks:
@@ -221,15 +189,6 @@ def parameters(a: argparse.Namespace, n_embd: int) -> int:
     with torch.device("meta"):
         module = GPTPretrain(n_layer=a.n_layer, n_head=a.n_head, n_embd=n_embd, block_size=a.seq)
     return sum(p.numel() for p in module.parameters())
-
-
-def parse_size(text: str) -> int:
-    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1, "": 1}
-    t = text.strip().lower()
-    num = t.rstrip("kmgib")
-    if t[len(num):] not in units:
-        raise argparse.ArgumentTypeError(f"{text!r}: a size such as 1.5GiB, 800MiB or 1000000000")
-    return int(float(num) * units[t[len(num):]])
 
 
 def fit_search(state: str, ranks: int, a: argparse.Namespace, tmp: Path) -> Optional[int]:
@@ -289,13 +248,12 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     from lm_data import ByteCorpusDataModule
 
     cores = len(os.sched_getaffinity(0))
-    model_name = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                       if line.startswith("model name")), "?")
-    cg = new_cgroup()
-    method = (f"cgroup {'v1 memory.max_usage_in_bytes' if cg[1].startswith('memory.max') else 'v2 memory.peak'}"
-              " (a fresh child cgroup per run)" if cg else "sum over ranks of each rank's peak PSS at step ends")
+    model_name = cpu_model()
+    cg = new_cgroup("bench_state")
+    method = (f"cgroup {cg.method} (a fresh child cgroup per run)" if cg
+              else "sum over ranks of each rank's peak PSS at step ends")
     if cg:
-        remove_cgroup(cg[0])
+        remove_cgroup(cg.path)
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     print(f"bench_state: GPT {a.n_layer} layers x {a.n_embd} ({parameters(a, a.n_embd) / 1e6:.2f}M params),"
           f" {a.n_head} heads | {a.batch} x {a.seq} tokens per rank | {a.precision} | AdamW | ranks"

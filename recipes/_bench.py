@@ -1,0 +1,146 @@
+"""What the bench_*.py scripts share: a worker's clean environment and a fresh memory cgroup per run.
+
+A run measured in its own cgroup: the driver creates a child of its own memory cgroup (:func:`new_cgroup`, root
+only; optionally with a memory limit), names it in the worker's environment (:data:`CGROUP_ENV`), and the worker
+calls :func:`join_cgroup` first thing, before it imports torch, so that everything it (and any rank a launcher
+starts from it) allocates is charged there. The driver reads the cgroup's figures (:func:`cgroup_stats`) once the
+worker is gone and removes the folder (:func:`remove_cgroup`).
+
+Nothing here imports torch or Lightning at module level: a worker imports this before it joins its cgroup.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+CGROUP_ENV = "HORIZON_BENCH_CGROUP"
+
+
+def join_cgroup() -> None:
+    """In a worker (or a rank its launcher started): join the run's cgroup named in :data:`CGROUP_ENV`, if any."""
+    if os.environ.get(CGROUP_ENV):
+        Path(os.environ[CGROUP_ENV], "cgroup.procs").write_text(str(os.getpid()))
+
+
+@dataclass
+class Cgroup:
+    """A fresh memory cgroup: its folder, whether it is v1 or v2, and the memory limit set on it (None: none)."""
+
+    path: Path
+    v2: bool
+    limit: Optional[int] = None
+
+    @property
+    def peak_file(self) -> str:
+        return "memory.peak" if self.v2 else "memory.max_usage_in_bytes"
+
+    @property
+    def method(self) -> str:
+        """How the peak is read, in words."""
+        return "v2 memory.peak" if self.v2 else "v1 memory.max_usage_in_bytes"
+
+    def peak(self) -> int:
+        return int((self.path / self.peak_file).read_text())
+
+
+def new_cgroup(prefix: str = "bench", limit: Optional[int] = None) -> Optional[Cgroup]:
+    """A fresh child of this process's memory cgroup, or None (not root, no writable memory cgroup, or the limit
+    cannot be set). ``limit``: bytes of memory for everything in it (v1: ``memory.limit_in_bytes`` and, where swap
+    is accounted, ``memory.memsw.limit_in_bytes``; v2: ``memory.max`` and ``memory.swap.max`` 0)."""
+    if os.geteuid() != 0:
+        return None
+    v2 = Path("/sys/fs/cgroup/cgroup.controllers").exists()
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, rel = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            base, is_v2 = Path("/sys/fs/cgroup/memory"), False
+        elif controllers == "" and v2:
+            base, is_v2 = Path("/sys/fs/cgroup"), True
+        else:
+            continue
+        group = Cgroup(base / rel.strip().lstrip("/") / f"{prefix}_{os.getpid()}_{uuid.uuid4().hex[:8]}", is_v2)
+        try:
+            group.path.mkdir()
+        except OSError:
+            continue
+        if not (group.path / group.peak_file).exists():
+            group.path.rmdir()
+            continue
+        if limit is not None:
+            try:
+                _set_limit(group, limit)
+            except OSError as e:
+                print(f"warning: cannot set a memory limit on {group.path}: {e}", file=sys.stderr)
+                group.path.rmdir()
+                return None
+        return group
+    return None
+
+
+def _set_limit(group: Cgroup, limit: int) -> None:
+    if group.v2:
+        (group.path / "memory.max").write_text(str(limit))
+        if (group.path / "memory.swap.max").exists():
+            (group.path / "memory.swap.max").write_text("0")
+    else:  # memory first: memsw may not go below it
+        (group.path / "memory.limit_in_bytes").write_text(str(limit))
+        if (group.path / "memory.memsw.limit_in_bytes").exists():
+            (group.path / "memory.memsw.limit_in_bytes").write_text(str(limit))
+    group.limit = limit
+
+
+def cgroup_stats(group: Cgroup) -> dict[str, int]:
+    """The cgroup's peak, and how often it hit its limit: ``peak``, ``failcnt`` (v1: charges refused at the limit,
+    the larger of ``memory.failcnt`` and ``memory.memsw.failcnt``, which counts them where memory+swap has the same
+    limit; v2: ``memory.events`` ``max``; some kernels leave v1's at 0: 6.18 did here, through reclaim and an OOM
+    kill), ``oom_kill`` (processes the OOM killer ended in it) where the kernel says."""
+    out = {"peak": group.peak()}
+    if group.v2:
+        events = dict(line.split() for line in (group.path / "memory.events").read_text().splitlines())
+        out.update({"failcnt": int(events.get("max", 0)), "oom_kill": int(events.get("oom_kill", 0))})
+    else:
+        out["failcnt"] = max(int((group.path / name).read_text()) for name in ("memory.failcnt",
+                                                                              "memory.memsw.failcnt")
+                             if (group.path / name).exists())
+        oom = dict(line.split() for line in (group.path / "memory.oom_control").read_text().splitlines())
+        if "oom_kill" in oom:
+            out["oom_kill"] = int(oom["oom_kill"])
+    return out
+
+
+def remove_cgroup(group: Path) -> None:
+    for _ in range(50):  # the killed ranks leave the cgroup as they are reaped
+        try:
+            group.rmdir()
+            return
+        except OSError:
+            time.sleep(0.1)
+    print(f"warning: could not remove {group}", file=sys.stderr)
+
+
+def parse_size(text: str) -> int:
+    """A size on the command line: ``1.5GiB``, ``800MiB``, ``2GB`` or plain bytes."""
+    import argparse
+
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1, "": 1}
+    t = text.strip().lower()
+    num = t.rstrip("kmgib")
+    if t[len(num):] not in units:
+        raise argparse.ArgumentTypeError(f"{text!r}: a size such as 1.5GiB, 800MiB or 1000000000")
+    return int(float(num) * units[t[len(num):]])
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo ("?" where it says none)."""
+    return next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                 if line.startswith("model name")), "?")
+
+
+__all__ = ["CGROUP_ENV", "Cgroup", "cgroup_stats", "cpu_model", "join_cgroup", "new_cgroup",
+           "parse_size", "remove_cgroup"]

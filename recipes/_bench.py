@@ -17,7 +17,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 CGROUP_ENV = "HORIZON_BENCH_CGROUP"
 
@@ -142,5 +142,33 @@ def cpu_model() -> str:
                  if line.startswith("model name")), "?")
 
 
-__all__ = ["CGROUP_ENV", "Cgroup", "cgroup_stats", "cpu_model", "join_cgroup", "new_cgroup",
+def parse_common(p: "argparse.ArgumentParser", argv: Optional[list[str]], smoke: dict,
+                 worker: Callable[[dict, str], None]) -> "Optional[argparse.Namespace]":
+    """Add the options every bench script has (corpus, cache, timeout, JSON output, ``--smoke`` and the worker's
+    own), then parse: with ``--smoke`` the ``smoke`` defaults apply (options given explicitly still win). SIGTERM
+    becomes an exception, so that run_worker's cleanup kills a worker's process group (its own session). A worker
+    process (``--worker SPEC``) runs ``worker(spec, out)`` here and gets None."""
+    import argparse
+    import json
+    import signal
+
+    p.add_argument("--max-bytes", type=int, default=4 * 2**20, help="corpus bytes to tokenize (lm_data max_bytes)")
+    p.add_argument("--cache-dir", default=None, help="token cache (default ~/.cache/lightning_horizon)")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per run")
+    p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--smoke", action="store_true", help="tiny defaults: " + ", ".join(f"{k}={v}" for k, v in
+                                                                                   smoke.items()))
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    if "--smoke" in (sys.argv[1:] if argv is None else argv):
+        p.set_defaults(**smoke)  # explicit options still win
+    a = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if a.worker:
+        worker(json.loads(a.worker), a.out)
+        return None
+    return a
+
+
+__all__ = ["CGROUP_ENV", "Cgroup", "cgroup_stats", "cpu_model", "join_cgroup", "new_cgroup", "parse_common",
            "parse_size", "remove_cgroup"]

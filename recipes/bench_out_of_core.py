@@ -72,7 +72,6 @@ import json  # noqa: E402
 import os  # noqa: E402
 import re  # noqa: E402
 import shutil  # noqa: E402
-import signal  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
@@ -80,7 +79,8 @@ import time  # noqa: E402
 import uuid  # noqa: E402
 from typing import Any, Optional  # noqa: E402
 
-from _bench import CGROUP_ENV, cgroup_stats, cpu_model, new_cgroup, parse_size, remove_cgroup  # noqa: E402
+from _bench import CGROUP_ENV, cgroup_stats, cpu_model, new_cgroup, parse_common, parse_size  # noqa: E402
+from _bench import remove_cgroup  # noqa: E402
 
 #: --precision: Lightning's fp32, or HorizonPrecision("bf16-true", master="fp32") (bf16 weights and gradients, fp32
 #: masters); with the arguments of lightning_horizon.memory.estimate.bytes_per_param for the training state
@@ -307,21 +307,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--warmup", type=int, default=1, help="steps before measuring (the first creates the state)")
     p.add_argument("--steps", type=int, default=2, help="measured steps per run")
     p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--max-bytes", type=int, default=4 * MIB, help="corpus bytes to tokenize (lm_data max_bytes)")
-    p.add_argument("--cache-dir", default=None, help="token cache (default ~/.cache/lightning_horizon)")
-    p.add_argument("--timeout", type=float, default=600, help="seconds per run")
-    p.add_argument("--json", default=None, help="also write the results here")
-    p.add_argument("--smoke", action="store_true", help="tiny defaults: " + ", ".join(f"{k}={v}" for k, v in
-                                                                                   SMOKE.items()))
-    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--out", default=None, help=argparse.SUPPRESS)
-    if "--smoke" in (sys.argv[1:] if argv is None else argv):
-        p.set_defaults(**SMOKE)  # explicit options still win
-    a = p.parse_args(argv)
-    # SIGTERM as an exception, so run_worker's cleanup kills the worker's process group (its own session)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    if a.worker:
-        worker(json.loads(a.worker), a.out)
+    a = parse_common(p, argv, SMOKE, worker)
+    if a is None:  # this process was a worker
         return {}
     batches = sorted({int(b) for b in a.batches.split(",") if b.strip()})
     prefetch = [s.strip() for s in a.prefetch.split(",") if s.strip()]

@@ -63,14 +63,13 @@ join_cgroup()  # a worker (or a rank its launcher started) joins its run's cgrou
 import argparse  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
-import signal  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 import uuid  # noqa: E402
 from typing import Any, Optional  # noqa: E402
 
-from _bench import CGROUP_ENV, cpu_model, new_cgroup, parse_size, remove_cgroup  # noqa: E402
+from _bench import CGROUP_ENV, cpu_model, new_cgroup, parse_common, parse_size, remove_cgroup  # noqa: E402
 STATES = ("replicated", "node_sharded")  # the --fit-memory search compares these two
 #: the arms of the comparison: HorizonStrategy keywords (node_sharded shares one copy of the weights per node;
 #: "node_sharded-copies" keeps a copy per rank that the owners update by broadcast)
@@ -222,21 +221,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--fit-memory", type=parse_size, default=None, help="e.g. 1.5GiB: search the widest GPT that fits")
     p.add_argument("--fit-max-embd", type=int, default=1024, help="top of the n_embd ladder (64, 128, ...)")
     p.add_argument("--fit-steps", type=int, default=2, help="steps per --fit-memory candidate (>= 2)")
-    p.add_argument("--max-bytes", type=int, default=4 * MIB, help="corpus bytes to tokenize (lm_data max_bytes)")
-    p.add_argument("--cache-dir", default=None, help="token cache (default ~/.cache/lightning_horizon)")
-    p.add_argument("--timeout", type=float, default=600, help="seconds per run")
-    p.add_argument("--json", default=None, help="also write the results here")
-    p.add_argument("--smoke", action="store_true", help="tiny defaults: " + ", ".join(f"{k}={v}" for k, v in
-                                                                                   SMOKE.items()))
-    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--out", default=None, help=argparse.SUPPRESS)
-    if "--smoke" in (sys.argv[1:] if argv is None else argv):
-        p.set_defaults(**SMOKE)  # explicit options still win
-    a = p.parse_args(argv)
-    # SIGTERM as an exception, so run_worker's cleanup kills the worker's process group (its own session)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    if a.worker:
-        worker(json.loads(a.worker), a.out)
+    a = parse_common(p, argv, SMOKE, worker)
+    if a is None:  # this process was a worker
         return {}
     ranks = sorted({int(r) for r in a.ranks.split(",") if r.strip()})
     if not ranks or min(ranks) < 2 or a.warmup < 1 or a.steps < 1 or a.rounds < 1 or a.fit_steps < 2 \

@@ -49,8 +49,9 @@ class FP32MasterPolicy(Bf16TruePolicy):
         try:
             after_closure()  # the norm and the callbacks see the fp32 gradients the step uses
             out = optimizer.step(**kwargs)
-            with torch.no_grad():
-                for m in (m for group in optimizer.param_groups for m in group["params"]):
+            masters = [m for group in optimizer.param_groups for m in group["params"]]
+            with torch.no_grad():  # out-of-core: one layer's masters and weights in memory at a time
+                for m in self.training_state.stream(masters, dirty=True, kinds=("weight", "master")):
                     p = self.training_state.parameter_of(m)
                     if p is not m and m.grad is not None:  # a param without grad was not stepped
                         self.training_state.write(p, m)

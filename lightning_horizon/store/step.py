@@ -3,7 +3,7 @@
 Installed as an instance attribute of the torch optimizer (what Lightning, the precision plugins and a scheduler's
 step counter call), it runs the closure once, as torch does, then steps the parameters unit by unit
 (:func:`lightning_horizon.optim_parts.step_in_parts`): while one unit steps, the next one's files (weights,
-gradients, masters, optimizer state) are read in on the I/O thread; after it, its state moves into the store and
+gradients, masters, optimizer state) are read in on the reading thread; after it, its state moves into the store and
 the unit is written back and leaves memory. Each unit's state is read and written once per step. Per-parameter
 optimizers compute exactly what one whole step computes. Parameters the store does not hold (Kahan's fp32
 proxies, which its own chunked step settles) step together, in one call.

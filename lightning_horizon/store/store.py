@@ -7,7 +7,7 @@ file of one kind is created at that kind's first tensor, sized for all the layer
 
 Values never change on the way in: a tensor placed in the store is copied into its view bit for bit, so a run
 with a store computes exactly what the same run in RAM computes. What the store changes is where the bytes are
-between uses; :class:`StateStore` moves a layer's pages in (prefetch, on the I/O thread) before it is used and out
+between uses; :class:`StateStore` moves a layer's pages in (prefetch, on its reading thread) before it is used and out
 (unmap, write back, drop from the page cache) after:
 
 - forward: a unit's weights are prefetched when the previous unit starts, and unmapped when it has run (the last
@@ -59,7 +59,7 @@ def _before_compute() -> None:
 
 
 class StateStore:
-    """The store of one rank: files under ``folder``, the units, the I/O thread."""
+    """The store of one rank: files under ``folder``, the units, the reading and the writing thread."""
 
     def __init__(self, folder: str, units: list[Unit], prefetch: str) -> None:
         self.folder = folder
@@ -223,7 +223,7 @@ class StateStore:
                 self.read_seconds += time.perf_counter() - t0
 
     def release(self, u: Unit, kinds: Optional[Iterable[str]] = None) -> None:
-        """``u``'s files (of ``kinds``) leave this process's memory now; dirty ones are written back (I/O thread).
+        """``u``'s files (of ``kinds``) leave this process's memory now; dirty ones are written back (writing thread).
         The weights of the resident unit and of pinned units stay mapped (written back when dirty)."""
         for key, f in self._unit_files(u, kinds):
             dirty = key in self._dirty

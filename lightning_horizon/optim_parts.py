@@ -17,7 +17,6 @@ from torch.optim import Optimizer
 Part = Sequence[tuple[int, Tensor]]  # (param group index, parameter)
 
 
-
 def step_in_parts(optimizer: Optimizer, parts: Sequence[Any], step: Callable[[Any], Any]) -> Any:
     """Call ``step(part)`` for each part with every param group emptied (``step`` fills the groups with what it
     steps); the groups, hooks and all, are restored afterwards. Returns the last call's result."""

@@ -56,6 +56,16 @@ def _populate(addr: int, length: int) -> bool:
     return False
 
 
+def read_through(fd: int, length: int, scratch: memoryview) -> None:
+    """Read the first ``length`` bytes of ``fd`` in ``scratch``-sized pieces (into the page cache, and ``scratch``)."""
+    off = 0
+    while off < length:
+        n = os.preadv(fd, [scratch[: min(len(scratch), length - off)]], off)
+        if n <= 0:
+            break
+        off += n
+
+
 def disk_free(path: str) -> int:
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
@@ -117,12 +127,7 @@ class MappedFile:
             os.posix_fadvise(self.fd, 0, self.used, os.POSIX_FADV_WILLNEED)
             if _populate(self.raw.data_ptr(), align(self.used)):
                 return self.used
-            off = 0  # a kernel without MADV_POPULATE_READ (< 5.14): read through into a scratch buffer
-            while off < self.used:
-                n = os.preadv(self.fd, [scratch[: min(len(scratch), self.used - off)]], off)
-                if n <= 0:
-                    break
-                off += n
+            read_through(self.fd, self.used, scratch)  # a kernel without MADV_POPULATE_READ (< 5.14)
         return self.used
 
     def unmap(self) -> None:
@@ -173,4 +178,4 @@ class Reservation:
                 self.fd = -1
 
 
-__all__ = ["MappedFile", "Reservation", "StoreSpaceError", "disk_free", "align", "PAGE"]
+__all__ = ["MappedFile", "Reservation", "read_through", "StoreSpaceError", "disk_free", "align", "PAGE"]

@@ -23,7 +23,7 @@ from lightning_horizon.store.config import StoreConfig
 from lightning_horizon.store.files import StoreSpaceError
 from lightning_horizon.store.probe import disk_bandwidth
 from lightning_horizon.store.step import StreamedStep
-from lightning_horizon.store.store import StateStore, _io_counters
+from lightning_horizon.store.store import StateStore, io_counters
 from lightning_horizon.store.units import plan_units
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ class OutOfCore(Part):
         self.disk: Optional[tuple[float, float]] = None  # measured (read, write) bytes/s
         self._steps: list[StreamedStep] = []
         self._load_hooks: list[Any] = []
-        self._io = _io_counters("/proc/self/io")
+        self._io = io_counters("/proc/self/io")
         #: the last optimizer step's bytes read from and written to the disk by this process (``/proc/self/io``), and
         #: the reading thread's achieved bandwidth over that step (bytes/s; ``None``: no disk read measured)
         self.last_read = 0
@@ -95,7 +95,7 @@ class OutOfCore(Part):
             # a loaded optimizer state (resume) goes into the store at once, not at the first step
             self._load_hooks.append(opt.register_load_state_dict_post_hook(
                 lambda o: store.after_step(o, list(o.state), self.training_state.parameter_of)))
-        self._io = _io_counters("/proc/self/io")
+        self._io = io_counters("/proc/self/io")
         if self.rank == 0:
             log.info(self.table(grads, state))
 
@@ -134,7 +134,7 @@ class OutOfCore(Part):
         return "\n".join(lines)
 
     def after_optimizer_step(self) -> None:
-        r, w = _io_counters("/proc/self/io")
+        r, w = io_counters("/proc/self/io")
         self.last_read, self.last_written = r - self._io[0], w - self._io[1]
         self._io = (r, w)
         if self.store is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 
-from lightning_horizon.store.files import READ_CHUNK
+from lightning_horizon.store.files import READ_CHUNK, read_through
 
 
 def disk_bandwidth(folder: str, nbytes: int) -> tuple[float, float]:
@@ -23,14 +23,8 @@ def disk_bandwidth(folder: str, nbytes: int) -> tuple[float, float]:
         os.fdatasync(fd)
         write = nbytes / (time.perf_counter() - t0)
         os.posix_fadvise(fd, 0, nbytes, os.POSIX_FADV_DONTNEED)
-        buf = memoryview(bytearray(READ_CHUNK))
         t0 = time.perf_counter()
-        off = 0
-        while off < nbytes:
-            n = os.preadv(fd, [buf[: min(len(buf), nbytes - off)]], off)
-            if n <= 0:
-                break
-            off += n
+        read_through(fd, nbytes, memoryview(bytearray(READ_CHUNK)))
         read = nbytes / (time.perf_counter() - t0)
     finally:
         os.close(fd)

@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 WEIGHT, GRAD = "weight", "grad"
 
 
-def _io_counters(path: str = "/proc/thread-self/io") -> tuple[int, int]:
+def io_counters(path: str = "/proc/thread-self/io") -> tuple[int, int]:
     """(read_bytes, write_bytes) this thread (or process) sent to storage so far; (0, 0) where not readable."""
     try:
         with open(path) as f:
@@ -161,9 +161,7 @@ class StateStore:
             u = self.unit_of[id(p)]
             touched[u.index] = u
         for u in touched.values():
-            for key, _ in self._unit_files(u):
-                if key[1] != GRAD:
-                    self._dirty.add(key)
+            self._dirty.update(key for key, _ in self._unit_files(u) if key[1] != GRAD)
             self.release(u)
 
     # ------------------------------------------------------------------ gradients (backward)
@@ -211,11 +209,11 @@ class StateStore:
         self._inflight[u.index] = self._reader.submit(self._prefetch_job, files)
 
     def _prefetch_job(self, files: list[MappedFile]) -> None:
-        r0, _ = _io_counters()
+        r0, _ = io_counters()
         t0 = time.perf_counter()
         for f in files:
             f.prefetch(self.prefetch_mode, self._scratch)
-        r1, _ = _io_counters()
+        r1, _ = io_counters()
         with self._lock:
             # "readahead" returns once the reads are queued: its seconds are no measure of the disk
             if r1 > r0 and self.prefetch_mode == "read":
@@ -314,4 +312,4 @@ class StateStore:
             f.close()
 
 
-__all__ = ["StateStore", "WEIGHT", "GRAD"]
+__all__ = ["StateStore", "WEIGHT", "GRAD", "io_counters"]

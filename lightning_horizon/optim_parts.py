@@ -17,17 +17,20 @@ from torch.optim import Optimizer
 Part = Sequence[tuple[int, Tensor]]  # (param group index, parameter)
 
 
-def step_in_parts(optimizer: Optimizer, parts: Sequence[Any], step: Callable[[Any], Any]) -> Any:
+def step_in_parts(optimizer: Optimizer, parts: Sequence[Any], step: Callable[[Any], Any], first: bool = True,
+                  last: bool = True) -> Any:
     """Call ``step(part)`` for each part with every param group emptied (``step`` fills the groups with what it
-    steps); the groups, hooks and all, are restored afterwards. Returns the last call's result."""
+    steps); the groups, hooks and all, are restored afterwards. Returns the last call's result. ``first`` /
+    ``last``: these parts begin / end the step (the pre-hooks fire with the first part, the post-hooks with the
+    last); a step made of several calls passes ``False`` for the calls in between."""
     groups = optimizer.param_groups
     saved = [g["params"] for g in groups]
     pre, post = optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks
     out = None
     try:
         for c, part in enumerate(parts):
-            optimizer._optimizer_step_pre_hooks = pre if c == 0 else OrderedDict()
-            optimizer._optimizer_step_post_hooks = post if c == len(parts) - 1 else OrderedDict()
+            optimizer._optimizer_step_pre_hooks = pre if first and c == 0 else OrderedDict()
+            optimizer._optimizer_step_post_hooks = post if last and c == len(parts) - 1 else OrderedDict()
             for g in groups:
                 g["params"] = []
             out = step(part)

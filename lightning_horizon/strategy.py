@@ -368,7 +368,7 @@ class HorizonStrategy(CheckpointParts, DDPStrategy):
         if self.node_state is not None:
             self.node_state.setup(trainer, self.lightning_module, self.optimizers)
         if self.store is not None:
-            self.store.setup(self.optimizers)
+            self.store.setup(self.optimizers, trainer, self.precision_plugin)
         if self._sharding is None and self.store is None and trainer.state.fn == TrainerFn.FITTING:
             # with sharding, the first plan checks this and the activations too; the store checked its disk
             self._check_memory()

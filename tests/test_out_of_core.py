@@ -23,7 +23,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_horizon import GradNormBackoff, HorizonStrategy
 from lightning_horizon.optim_parts import step_in_parts
@@ -73,6 +73,8 @@ def test_refused_by_name(kwargs, names):
 @pytest.mark.parametrize("kwargs, names", [
     ({"prefetch": "mmap"}, ("StoreConfig(prefetch='mmap')", "'read'", "'readahead'", "'none'")),
     ({"probe_bytes": -1}, ("StoreConfig(probe_bytes=-1)", ">= 0")),
+    ({"readers": 0}, ("StoreConfig(readers=0)", ">= 1")),
+    ({"step": "early"}, ("StoreConfig(step='early')", "'auto'", "'in_backward'", "'after_backward'")),
     ({"path": 5}, ("StoreConfig(path=5)", "folder")),
 ])
 def test_config_refused_by_name(kwargs, names):
@@ -88,19 +90,169 @@ def test_resolve():
     assert resolve_store(Path("/x")) == StoreConfig(path="/x")
 
 
+def test_split_shares_every_byte_once_in_whole_pages():
+    from lightning_horizon.store.files import PAGE
+    from lightning_horizon.store.store import split
+
+    class File:
+        def __init__(self, used: int) -> None:
+            self.used = used
+
+    files = [File(10_000), File(3 * PAGE + 5), File(1), File(40 * PAGE)]
+    for n in (1, 2, 3, 7, 100):
+        parts = split(files, n)
+        assert 1 <= len(parts) <= n
+        for f in files:  # each file covered once, in order, by ranges that start on a page
+            ranges = [(a, b) for part in parts for g, a, b in part if g is f]
+            assert ranges[0][0] == 0 and ranges[-1][1] == f.used
+            assert all(b == c for (_, b), (c, _) in zip(ranges, ranges[1:])) and all(a % PAGE == 0 for a, _ in ranges)
+        sizes = [sum(b - a for _, a, b in part) for part in parts]
+        assert max(sizes) - min(sizes) <= 45 * PAGE // n + PAGE or n >= 45  # about equal shares
+    assert split([], 2) == []
+
+
+def test_overwriting_discarded_bytes_reads_nothing_back(tmp_path):
+    """Tensors placed over dropped ones (new gradients over last step's) read nothing back from the disk once the
+    file's bytes are discarded; a discarded range keeps the partial pages at its ends."""
+    from lightning_horizon.store.files import PAGE, MappedFile
+    from lightning_horizon.store.store import io_counters
+
+    f = MappedFile(str(tmp_path), "g", 64 * PAGE)
+    views = [f.view(torch.Size([n]), torch.float32) for n in (10, 5 * PAGE + 3, 10)]
+
+    def overwrite(discard: Any) -> int:
+        f.raw.fill_(7)
+        f.unmap()
+        f.writeback(True)  # on the disk only
+        r0, _ = io_counters()
+        if discard:
+            discard()
+        for v in views:
+            v.copy_(torch.arange(v.numel(), dtype=torch.float32))
+        return io_counters()[0] - r0
+
+    if overwrite(None) == 0:
+        pytest.skip("this file system reports no disk reads (/proc/thread-self/io)")
+    if overwrite(lambda: f.discard(0, f.used)) != 0 and not f._zero_range:
+        pytest.skip("this file system has no FALLOC_FL_ZERO_RANGE")
+    assert overwrite(lambda: f.discard(0, f.used)) == 0
+    assert all(torch.equal(v, torch.arange(v.numel(), dtype=torch.float32)) for v in views)
+    start = views[1].data_ptr() - f.raw.data_ptr()
+    f.raw.fill_(7)
+    f.discard(start, start + views[1].numel() * 4)
+    assert bool((views[0].view(torch.uint8) == 7).all()) and bool((views[2].view(torch.uint8) == 7).all())
+    assert int(views[1].view(torch.uint8)[PAGE:2 * PAGE].sum()) == 0  # an inner page: zeros
+    f.close()
+
+
+def test_new_gradients_read_nothing_of_the_last_ones(tmp_path):
+    """After ``zero_grad`` a backward writes its gradients over last step's without reading them back from the disk;
+    gradients that accumulate (no ``zero_grad``) are read back and summed: the same values as in RAM."""
+    from lightning_horizon.store.store import io_counters
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.Tanh()) for _ in range(3)], nn.Linear(256, 1))
+
+    model, twin, x = make(), make(), torch.randn(4, 256)
+    store = StateStore(str(tmp_path), plan_units(model), "none", 1)
+    store.install()
+    try:
+        for u in store.units:  # weights stay mapped once read: the reads below are the gradients' only
+            store.pin(u)
+
+        def backward(zero: bool) -> int:
+            for m in (model, twin):
+                if zero:
+                    m.zero_grad(set_to_none=True)
+                m(x).sum().backward()
+            store.drain()
+            store.new_step()
+            return io_counters("/proc/self/io")[0]
+
+        backward(True)
+        backward(True)  # every file exists and is on the disk
+        r0 = io_counters("/proc/self/io")[0]
+        fresh = backward(True) - r0
+        accumulated = backward(False) - fresh - r0
+        if accumulated == 0:
+            pytest.skip("this file system reports no disk reads (/proc/self/io)")
+        assert fresh == 0  # last step's gradients were dead: discarded, not read
+        assert accumulated >= 3 * 256 * 256 * 4  # live ones: read back and summed
+        for p, q in zip(model.parameters(), twin.parameters()):
+            assert torch.equal(p.grad, q.grad)
+    finally:
+        store.uninstall()
+
+
+def test_disk_probe_measures_reads_alone_and_while_writing(tmp_path):
+    from lightning_horizon.store.probe import disk_bandwidth
+
+    bw = disk_bandwidth(str(tmp_path), 4 << 20)
+    assert bw.read > 0 and bw.write > 0 and bw.shared_read > 0
+    assert os.listdir(tmp_path) == []  # unlinked at once
+
+
+@pytest.mark.parametrize("readers", [1, 3])
+def test_reads_are_measured_alone_or_shared_with_a_write_back(tmp_path, readers):
+    """The reading threads' bytes and wall time count as "alone" when no write-back ran during them and as "shared"
+    when one did; every prefetched byte is read once, whatever the number of readers."""
+    import threading
+
+    from lightning_horizon.store.store import WEIGHT
+
+    model = _stack(4)
+    store = StateStore(str(tmp_path), plan_units(model), "read", readers)
+    store.install()
+    streamed = [u for u in store.units if u.streamed]
+    try:
+        def cold() -> None:  # every unit's weights on the disk only
+            store.mark_dirty([u.index for u in streamed], (WEIGHT,))
+            for u in streamed:
+                store.release(u, (WEIGHT,))
+            store.drain()
+
+        cold()
+        for u in streamed:
+            store.prefetch(u, (WEIGHT,))
+        store.drain()
+        alone = list(store.reads["alone"])
+        if alone[0] == 0:
+            pytest.skip("this file system reports no disk reads (/proc/thread-self/io)")
+        assert alone[1] > 0 and store.reads["shared"] == [0, 0.0]
+        cold()
+        started, release = threading.Event(), threading.Event()
+        store._write_back(lambda: (started.set(), release.wait(10)))  # a write-back in progress
+        assert started.wait(10)
+        for u in streamed:
+            store.prefetch(u, (WEIGHT,))
+        for u in streamed:
+            for job in store._inflight[u.index]:
+                job.result()
+        release.set()
+        store.drain()
+        assert store.reads["alone"] == alone and store.reads["shared"][0] > 0 and store.reads["shared"][1] > 0
+    finally:
+        store.uninstall()
+    for p, q in zip(model.parameters(), _stack(4).parameters()):
+        assert torch.equal(p, q)
+
+
 def _stack(n: int = 3) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)) for _ in range(n)], nn.Linear(8, 2))
 
 
+@pytest.mark.parametrize("in_backward", [False, True])
 @pytest.mark.parametrize("make", [
     lambda ps: torch.optim.AdamW(ps, lr=0.1, weight_decay=0.1),
     lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True),
     lambda ps: torch.optim.Adagrad(ps, lr=0.1),
 ])
-def test_layer_by_layer_step_is_the_whole_step(tmp_path, make):
-    """StreamedStep steps unit by unit, state in the store, and computes exactly what one step computes; step
-    hooks fire once per step, a scheduler's wrapper of ``step`` is kept and put back."""
+def test_layer_by_layer_step_is_the_whole_step(tmp_path, make, in_backward):
+    """StreamedStep steps unit by unit (after backward, or in backward as each unit's gradients are complete),
+    state in the store, and computes exactly what one step computes; step hooks fire once per step (in backward:
+    the pre-hooks with the first unit, inside backward), a scheduler's wrapper of ``step`` is kept and put back."""
     ref, mod = _stack(), _stack()
     state = TrainingState()
     store = StateStore(str(tmp_path), plan_units(mod), "read")
@@ -110,20 +262,29 @@ def test_layer_by_layer_step_is_the_whole_step(tmp_path, make):
     sched = torch.optim.lr_scheduler.StepLR(opt, 1)  # wraps opt.step (an instance attribute)
     wrapped = opt.__dict__["step"]
     calls = []
-    opt.register_step_pre_hook(lambda *a: calls.append("pre"))
-    opt.register_step_post_hook(lambda *a: calls.append("post"))
-    streamed = StreamedStep(opt, store, state)
+    during_backward = torch._C._current_graph_task_id
+    opt.register_step_pre_hook(lambda *a: calls.append(("pre", during_backward() != -1)))
+    opt.register_step_post_hook(lambda *a: calls.append(("post", during_backward() != -1)))
+    streamed = StreamedStep(opt, store, state, in_backward)
     x = torch.randn(16, 8)
+
+    def closure(m: nn.Module, o: Any) -> Any:
+        def run() -> Tensor:
+            o.zero_grad()
+            loss = m(x).square().mean()
+            loss.backward()
+            return loss
+        return run
+
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(3):
             for m, o in ((ref, opt_ref), (mod, opt)):
-                o.zero_grad()
-                m(x).square().mean().backward()
-                o.step()
+                o.step(closure(m, o))
             sched.step()
             opt_ref.param_groups[0]["lr"] = opt.param_groups[0]["lr"]
-    assert calls == ["pre", "post"] * 3 and not caught  # no "step() overridden after the scheduler" warning
+    assert calls == [("pre", in_backward), ("post", False)] * 3  # once per step
+    assert not caught  # no "step() overridden after the scheduler" warning
     for a, b in zip(ref.parameters(), mod.parameters()):
         assert torch.equal(a, b)
     views = {v.data_ptr() for v in store._views.values()}
@@ -163,6 +324,17 @@ def _fit(tmp: Path, store: Any, steps: int = 2, callbacks=(), model: Any = None)
                         enable_model_summary=False, default_root_dir=str(tmp), callbacks=list(callbacks))
     trainer.fit(model)
     return model
+
+
+def test_step_in_backward_refused_by_name_where_something_is_in_the_way(tmp_path):
+    """``step="in_backward"`` with what needs the whole gradient before the step fails at setup, naming each."""
+    seen = _Before()
+    with pytest.raises(ValueError) as err:
+        _fit(tmp_path, StoreConfig(path=str(tmp_path / "s"), probe_bytes=0, step="in_backward"),
+             callbacks=[seen, GradNormBackoff(max_norm=1.0)])
+    assert "StoreConfig(step='in_backward')" in str(err.value) and "GradNormBackoff.on_before_optimizer_step" in str(
+        err.value) and "'auto'" in str(err.value), str(err.value)
+    assert not seen.stepped
 
 
 class _Before(L.Callback):
@@ -253,6 +425,9 @@ DIMENSIONS = {
     "sharding": (None, "forced"),  # activation recompute (a unit's weights come back in backward)
     "model": ("gpt", "transformer", "tied", "generator", "batchnorm", "boring"),  # + Lightning's demo models
     "prefetch": ("read", "readahead", "none"),
+    # when the step runs: "auto" steps in backward where nothing is in the way (the fit then leaves out its checks
+    # between backward and the step)
+    "step": ("auto", "after_backward"),
 }
 PRECISION = {"32-true": "32-true", "bf16-mixed": {"mode": "bf16-mixed", "compute": "fp32"},
              "bf16-true+fp32": {"mode": "bf16-true", "master": "fp32", "compute": "fp32"},
@@ -270,25 +445,33 @@ def case_name(case: dict) -> str:
 
 
 CASES: dict[str, dict] = {case_name(c): c for c in all_pairs(DIMENSIONS, valid)}
+# the step in backward with what pairs alone leave out of it: recompute, a scheduler, tied and generator models
+CASES.update({f"in-backward-{i}": dict(zip(DIMENSIONS, c)) for i, c in enumerate([
+    ("32-true", "automatic", False, True, "forced", "tied", "read", "auto"),
+    ("bf16-mixed", "accumulate", False, False, "forced", "generator", "readahead", "auto"),
+    ("32-true", "automatic", False, True, None, "batchnorm", "none", "auto"),
+])})
 # 2 gloo ranks (DDP averages the gradients the store holds): plain, and the busiest combination
-WORLD2 = {"w2-gpt": {**dict(zip(DIMENSIONS, (PRECISION["32-true"], "automatic", False, False, None, "gpt", "read")))},
+WORLD2 = {"w2-gpt": {**dict(zip(DIMENSIONS, ("32-true", "automatic", False, False, None, "gpt", "read", "auto"))),
+                    "readers": 1},  # one reading thread (every other case: StoreConfig's default)
           "w2-busy": {**dict(zip(DIMENSIONS, ("bf16-true+kahan", "accumulate", True, True, "forced", "tied",
-                                             "readahead")))}}
+                                             "readahead", "auto")))}}
 
 
 def run(name: str, case: dict, world: int, store: Any, work: Path, **extra: Any) -> dict:
     precision = case["precision"]
     strategy = {}
     if store:
-        strategy["state_store"] = {"path": str(work / "stores" / name), "prefetch": case["prefetch"], "probe_bytes": 0}
+        strategy["state_store"] = {"path": str(work / "stores" / name), "prefetch": case["prefetch"], "probe_bytes": 0,
+                                   "step": case["step"], **({"readers": case["readers"]} if "readers" in case else {})}
     return {"name": f"{name}-{'store' if store else 'ram'}", "model": case["model"],
             "optimization": case["optimization"], "world": world, "ranks_per_node": world,
             "precision": PRECISION.get(precision, precision), "strategy": strategy, "sharding": case["sharding"],
             "backoff": case["backoff"], "scheduler": case["scheduler"], "steps": STEPS, "epoch_steps": SAVE_AT,
-            **extra}
+            "backward_hooks": case["step"] != "auto", **extra}
 
 
-CKPT = {**dict(zip(DIMENSIONS, ("bf16-true+fp32", "automatic", False, False, None, "gpt", "read")))}
+CKPT = {**dict(zip(DIMENSIONS, ("bf16-true+fp32", "automatic", False, False, None, "gpt", "read", "auto")))}
 
 
 def launch(work: Path, label: str, runs: list[dict], world: int, expect_rc: int = 0) -> str:
@@ -333,8 +516,15 @@ def same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def check_pair(store: list[dict], ram: list[dict], case: dict) -> None:
+def in_backward(case: dict, world: int = 1) -> bool:
+    """Whether the store's "auto" step runs in backward for ``case``: nothing between backward and the step."""
+    return (case["step"] == "auto" and world == 1 and not case["backoff"]
+            and case["optimization"] in ("automatic", "accumulate") and case["precision"] in ("32-true", "bf16-mixed"))
+
+
+def check_pair(store: list[dict], ram: list[dict], case: dict, world: int = 1) -> None:
     for s, r in zip(store, ram):
+        assert s["in_backward"] is in_backward(case, world)
         assert s["global_step"] == r["global_step"]
         assert s["rows"].keys() == r["rows"].keys()
         for step in r["rows"]:  # bitwise, after every optimizer step
@@ -358,7 +548,7 @@ def test_store_fit_is_bitwise_the_ram_fit(results, name):
 
 @pytest.mark.parametrize("name", list(WORLD2))
 def test_two_ranks_bitwise(results, name):
-    check_pair(results[f"{name}-store"], results[f"{name}-ram"], WORLD2[name])
+    check_pair(results[f"{name}-store"], results[f"{name}-ram"], WORLD2[name], world=2)
 
 
 def test_resume_exact_also_after_a_kill(results):

@@ -352,5 +352,6 @@ def test_bench_out_of_core_smoke(tmp_path, cache_dir):
     rows = {r["arm"]: r for r in json.loads((tmp_path / "o.json").read_text())["rows"]}
     assert rows["ram"]["ok"] and rows["store-read"]["ok"]
     assert rows["store-read"]["loss"] == rows["ram"]["loss"]
-    assert rows["store-read"]["written"] > 0 and rows["store-read"]["disk"][0] > 0
+    assert rows["store-read"]["written"] > 0 and all(v > 0 for v in rows["store-read"]["disk"])  # read, write, shared
+    assert "store-read: reads during a write-back >= 0.7x measured while writing: " in out  # reported, not required
     assert rows["ram"]["tps"] > 0 and rows["store-read"]["tps"] > 0

@@ -11,6 +11,9 @@ first touch and may write it back and drop it whenever memory is short. The stor
   thread, GIL released, so that it returns when the data is in memory, with no copy; before Linux 5.14 read
   through with ``preadv`` instead; ``"readahead"``: ``posix_fadvise(WILLNEED)`` alone, the kernel's asynchronous
   read-ahead, faulted in by the first touch; ``"none"``: page faults on first touch).
+- :meth:`discard`: forget bytes about to be overwritten whole (``fallocate(FALLOC_FL_ZERO_RANGE)``: the blocks stay
+  allocated, the next touch reads nothing from the disk). New gradients placed over last step's would otherwise
+  read last step's bytes back first, page by page (and the read-ahead around them).
 - :meth:`unmap`: drop the pages from this process's address space (``madvise(DONTNEED)``: resident memory falls
   at once; dirty pages stay in the page cache, nothing is lost).
 - :meth:`writeback`: write dirty pages to disk (``fdatasync``) and drop the clean page cache (``posix_fadvise
@@ -42,6 +45,8 @@ _MADV_POPULATE_READ = 22  # Linux 5.14+
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _populate_works = True
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_ZERO_RANGE = 0x01, 0x10  # Linux 3.15+: ext4, xfs (not tmpfs)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
 
 
 def _populate(addr: int, length: int) -> bool:
@@ -56,11 +61,11 @@ def _populate(addr: int, length: int) -> bool:
     return False
 
 
-def read_through(fd: int, length: int, scratch: memoryview) -> None:
-    """Read the first ``length`` bytes of ``fd`` in ``scratch``-sized pieces (into the page cache, and ``scratch``)."""
-    off = 0
-    while off < length:
-        n = os.preadv(fd, [scratch[: min(len(scratch), length - off)]], off)
+def read_through(fd: int, end: int, scratch: memoryview, start: int = 0) -> None:
+    """Read bytes ``start:end`` of ``fd`` in ``scratch``-sized pieces (into the page cache, and ``scratch``)."""
+    off = start
+    while off < end:
+        n = os.preadv(fd, [scratch[: min(len(scratch), end - off)]], off)
         if n <= 0:
             break
         off += n
@@ -82,6 +87,7 @@ class MappedFile:
         self.path = os.path.join(folder, name)
         self.nbytes = align(max(nbytes, 1))
         self.used = 0
+        self._zero_range = True  # until the file system says it has no FALLOC_FL_ZERO_RANGE
         try:
             self.fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         except OSError as e:
@@ -114,21 +120,35 @@ class MappedFile:
 
     # ------------------------------------------------------------------ page movement
 
-    def prefetch(self, mode: str, scratch: Optional[memoryview] = None) -> int:
-        """Bring the file into the page cache ahead of use; returns the bytes asked for."""
-        if self.fd < 0:
+    def prefetch(self, mode: str, scratch: Optional[memoryview] = None, start: int = 0,
+                 end: Optional[int] = None) -> int:
+        """Bring bytes ``start:end`` (page-aligned ``start``; default: all it holds) into the page cache ahead of use;
+        returns the bytes asked for."""
+        end = self.used if end is None else min(end, self.used)
+        if self.fd < 0 or end <= start:
             return 0
         if mode == "readahead":
-            os.posix_fadvise(self.fd, 0, self.used, os.POSIX_FADV_WILLNEED)
+            os.posix_fadvise(self.fd, start, end - start, os.POSIX_FADV_WILLNEED)
         elif mode == "read":
             assert scratch is not None
-            # the whole file queued at once (the disk gets deep, large requests), then mapped in as it arrives
-            # (no copy): when this returns the file is in memory, and the time it took measures the disk
-            os.posix_fadvise(self.fd, 0, self.used, os.POSIX_FADV_WILLNEED)
-            if _populate(self.raw.data_ptr(), align(self.used)):
-                return self.used
-            read_through(self.fd, self.used, scratch)  # a kernel without MADV_POPULATE_READ (< 5.14)
-        return self.used
+            # the whole range queued at once (the disk gets deep, large requests), then mapped in as it arrives
+            # (no copy): when this returns the range is in memory, and the time it took measures the disk
+            os.posix_fadvise(self.fd, start, end - start, os.POSIX_FADV_WILLNEED)
+            if _populate(self.raw.data_ptr() + start, align(end) - start):
+                return end - start
+            read_through(self.fd, end, scratch, start)  # a kernel without MADV_POPULATE_READ (< 5.14)
+        return end - start
+
+    def discard(self, start: int, end: int) -> None:
+        """Bytes ``start:end`` are about to be overwritten whole: their whole pages become zeros on the disk's side
+        (still allocated: the write-back cannot fail for space) and leave the page cache, so writing them reads
+        nothing first. The partial pages at either end are kept. A file system without ``FALLOC_FL_ZERO_RANGE``
+        skips it."""
+        start, end = align(start), (self.nbytes if end >= self.used else end // PAGE * PAGE)  # past used: nobody's
+        if self.fd < 0 or end <= start or not self._zero_range:
+            return
+        if _libc.fallocate(self.fd, _FALLOC_FL_ZERO_RANGE | _FALLOC_FL_KEEP_SIZE, start, end - start) != 0:
+            self._zero_range = ctypes.get_errno() not in (errno.EOPNOTSUPP, errno.ENOSYS)
 
     def unmap(self) -> None:
         """Leave this process's resident set (the data stays in the page cache or on disk)."""

@@ -21,8 +21,8 @@ from lightning_horizon.parts import Part
 from lightning_horizon.state import TrainingState
 from lightning_horizon.store.config import StoreConfig
 from lightning_horizon.store.files import StoreSpaceError
-from lightning_horizon.store.probe import disk_bandwidth
-from lightning_horizon.store.step import StreamedStep
+from lightning_horizon.store.probe import DiskBandwidth, disk_bandwidth
+from lightning_horizon.store.step import StreamedStep, backward_step_conflicts
 from lightning_horizon.store.store import StateStore, io_counters
 from lightning_horizon.store.units import plan_units
 
@@ -55,7 +55,7 @@ class OutOfCore(Part):
         self.rank = rank
         self.store: Optional[StateStore] = None
         self.folder: Optional[str] = None
-        self.disk: Optional[tuple[float, float]] = None  # measured (read, write) bytes/s
+        self.disk: Optional[DiskBandwidth] = None  # measured at setup
         self._steps: list[StreamedStep] = []
         self._load_hooks: list[Any] = []
         self._io = io_counters("/proc/self/io")
@@ -63,8 +63,10 @@ class OutOfCore(Part):
         #: the reading thread's achieved bandwidth over that step (bytes/s; ``None``: no disk read measured)
         self.last_read = 0
         self.last_written = 0
-        self.last_read_bw: Optional[float] = None
-        self._reads = (0, 0.0)
+        self.last_read_bw: dict[str, float] = {}
+        self.in_backward = False  # the optimizer step runs in backward, each unit as its gradients are complete
+        self.step_reason = ""  # why it runs after backward
+        self._reads: dict[str, tuple[float, float]] = {}
 
     def install(self, module: nn.Module, folder: str) -> None:
         """Before the optimizers and the precision plugin connect: the weights move into the store."""
@@ -75,14 +77,23 @@ class OutOfCore(Part):
         if not os.access(folder, os.W_OK | os.X_OK):
             raise StoreSpaceError(13, f"state_store: the folder {folder} is not writable by this process")
         self.folder = folder
-        self.store = StateStore(folder, plan_units(module), self.config.prefetch)
+        self.store = StateStore(folder, plan_units(module), self.config.prefetch, self.config.readers)
         self.store.install()
         self.training_state.store = self.store
 
-    def setup(self, optimizers: list[Any]) -> None:
-        """Once the optimizers exist: reserve, probe, the layer-by-layer step, the plan table."""
+    def setup(self, optimizers: list[Any], trainer: Any = None, precision: Any = None) -> None:
+        """Once the optimizers exist: when the step runs (``trainer`` and ``precision`` say what is in the way of
+        stepping in backward; without a trainer it steps after backward), reserve, probe, the layer-by-layer step, the
+        plan table."""
         store = self.store
         assert store is not None and self.folder is not None
+        conflicts = ["no trainer"] if trainer is None else backward_step_conflicts(trainer, optimizers, precision)
+        if self.config.step == "in_backward" and conflicts:
+            raise ValueError(f"StoreConfig(step='in_backward') cannot run this fit's optimizer step in backward:"
+                             f" {'; '.join(conflicts)}. Use step='auto' (after backward here) or 'after_backward'")
+        self.in_backward = self.config.step != "after_backward" and not conflicts
+        self.step_reason = ("" if self.in_backward else
+                            "asked for" if self.config.step == "after_backward" else "; ".join(conflicts))
         params = [p for u in store.units for p in u.params]
         grads = sum(p.numel() * p.element_size() for p in params)
         state = sum(state_tensors(opt) for opt in optimizers) * sum(4 * p.numel() for p in params)
@@ -91,7 +102,7 @@ class OutOfCore(Part):
             self.disk = disk_bandwidth(self.folder, self.config.probe_bytes)
         for opt in optimizers:
             opt = getattr(opt, "optimizer", opt)
-            self._steps.append(StreamedStep(opt, store, self.training_state))
+            self._steps.append(StreamedStep(opt, store, self.training_state, self.in_backward))
             # a loaded optimizer state (resume) goes into the store at once, not at the first step
             self._load_hooks.append(opt.register_load_state_dict_post_hook(
                 lambda o: store.after_step(o, list(o.state), self.training_state.parameter_of)))
@@ -108,9 +119,11 @@ class OutOfCore(Part):
         w_streamed = sum(u.nbytes for u in streamed)
         weights = held.get("weight", 0)
         extra = sum(v for k, v in held.items() if k not in ("weight", "grad"))
-        # per step: weights in forward and again in backward, gradients out, the norm (and a clip) reads them,
-        # the step reads weights, gradients, masters and state, and writes weights, masters and state
-        read = 2 * w_streamed + grads + weights + grads + extra + state
+        # per step: weights in forward and again in backward, gradients out (over last step's, which are not read
+        # back), the step reads weights, gradients, masters and state (in backward: the state only, the rest is in
+        # memory then), and writes weights, masters and state; a gradient norm (HorizonPrecision, GradNormBackoff)
+        # reads the gradients once more, a clip reads and writes them
+        read = 2 * w_streamed + (0 if self.in_backward else weights + grads) + extra + state
         written = grads + weights + extra + state
         lines = [
             f"out-of-core store: {store.folder} (prefetch={store.prefetch_mode})",
@@ -121,14 +134,19 @@ class OutOfCore(Part):
             " modules outside the units: embeddings, head); their gradients and state are streamed",
             f"  store: weights {fmt_bytes(weights)}, masters/compensation {fmt_bytes(extra)};"
             f" reserved for gradients {fmt_bytes(grads)} and optimizer state ~{fmt_bytes(state)}",
-            f"  per optimizer step (estimate): read {fmt_bytes(read)}, written {fmt_bytes(written)}",
+            f"  per optimizer step (estimate): read {fmt_bytes(read)}, written {fmt_bytes(written)}; a gradient norm"
+            f" reads {fmt_bytes(grads)} more, a clip reads and writes {fmt_bytes(grads)} more",
+            "  step: " + ("in backward, each unit as soon as its gradients are complete (its weights and gradients"
+                          " still in memory)" if self.in_backward else
+                          f"after backward, unit by unit (not in backward: {self.step_reason})"),
             "  pinned: " + (f"units' weights stay mapped while the measured peak leaves room under {PIN_BELOW:.0%}"
                             " of the sharding budget, the last units first" if self.budgeted else
                             "none (no sharding budget: every unit streams)"),
         ]
         if self.disk is not None:
-            r, w = self.disk
-            lines.append(f"  disk (measured): read {r / 1e6:.0f} MB/s, write {w / 1e6:.0f} MB/s ->"
+            r, w, rw = self.disk
+            lines.append(f"  disk (measured): read {r / 1e6:.0f} MB/s ({rw / 1e6:.0f} MB/s while writing),"
+                         f" write {w / 1e6:.0f} MB/s ->"
                          f" {read / r + written / w:.2f} s of disk time per step, hidden behind compute as far as the"
                          " step is longer")
         return "\n".join(lines)
@@ -138,10 +156,12 @@ class OutOfCore(Part):
         self.last_read, self.last_written = r - self._io[0], w - self._io[1]
         self._io = (r, w)
         if self.store is not None:
-            read = (self.store.read_bytes, self.store.read_seconds)
-            n, t = read[0] - self._reads[0], read[1] - self._reads[1]
-            self.last_read_bw = n / t if t > 0 else None
-            self._reads = read
+            reads = {k: tuple(v) for k, v in self.store.reads.items()}
+            reads["all"] = tuple(map(sum, zip(*reads.values())))
+            last = {k: (n - self._reads.get(k, (0, 0.0))[0], t - self._reads.get(k, (0, 0.0))[1])
+                    for k, (n, t) in reads.items()}
+            self.last_read_bw = {k: n / t for k, (n, t) in last.items() if t > 0}
+            self._reads = reads
         self._follow_memory()
 
     def _follow_memory(self) -> None:
@@ -171,15 +191,19 @@ class OutOfCore(Part):
                  f" {len(store.pinned)} of {len(store.units) - 1} units pinned")
 
     def metrics(self) -> dict[str, float]:
-        """The last step's disk bytes, units pinned, and the reading thread's achieved bandwidth over the step, alone
-        and as a fraction of the measured one (``prefetch="read"`` only: a read-ahead's time is the kernel's)."""
+        """The last step's disk bytes, units pinned, and the reading threads' achieved bandwidth over the step (bytes
+        over the wall time the threads were reading; ``prefetch="read"`` only: a read-ahead's time is the kernel's):
+        ``read_bw`` all reads, against the disk's measured read bandwidth (``read_bw_fraction``); ``read_bw_alone``
+        the reads during which no write-back ran, against the same; ``read_bw_shared`` those that shared the disk
+        with a write-back, against the read bandwidth measured while writing."""
         store = self.store
         out: dict[str, float] = {"bytes_read": self.last_read, "bytes_written": self.last_written,
                                  "pinned_units": len(store.pinned) if store is not None else 0}
-        if self.last_read_bw is not None:
-            out["read_bw"] = self.last_read_bw
-            if self.disk is not None:
-                out["read_bw_fraction"] = self.last_read_bw / self.disk[0]
+        for k, bw in self.last_read_bw.items():
+            name = "read_bw" if k == "all" else f"read_bw_{k}"
+            out[name] = bw
+            if self.disk is not None:  # reads that shared the disk with a write-back: against the same measured
+                out[f"{name}_fraction"] = bw / (self.disk.shared_read if k == "shared" else self.disk.read)
         return out
 
     def teardown(self) -> None:

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from lightning_horizon.precision.policy import per_element
-from lightning_horizon.store.files import READ_CHUNK, MappedFile, Reservation, align
+from lightning_horizon.store.files import PAGE, READ_CHUNK, MappedFile, Reservation, align
 from lightning_horizon.store.units import Unit
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ def _before_compute() -> None:
 class StateStore:
     """The store of one rank: files under ``folder``, the units, the reading and the writing thread."""
 
-    def __init__(self, folder: str, units: list[Unit], prefetch: str) -> None:
+    def __init__(self, folder: str, units: list[Unit], prefetch: str, readers: int = 1) -> None:
         self.folder = folder
         self.units = units
         self.prefetch_mode = prefetch
@@ -71,19 +71,27 @@ class StateStore:
         self._views: dict[tuple[int, str], Tensor] = {}
         self._dirty: set[tuple[int, str]] = set()
         self._ready: dict[int, int] = {}  # unit index -> parameters whose gradient arrived in this backward
+        #: called with a unit whose gradients are all in, before it leaves memory (the step in backward, step.py)
+        self.unit_ready: Optional[Callable[[Unit], None]] = None
         #: streamed units whose weights stay mapped, as measured memory allows (OutOfCore decides)
         self.pinned: set[int] = set()
-        self._inflight: dict[int, Future] = {}
-        # reads ahead and writes back on threads of their own: a read for the next unit never waits behind a write
-        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="horizon-store-read",
+        self._inflight: dict[int, list[Future]] = {}
+        # reads ahead and writes back on threads of their own: a read for the next unit never waits behind a write;
+        # ``readers`` threads share each unit's bytes (a deeper queue for the disk)
+        self.readers = readers
+        self._reader = ThreadPoolExecutor(max_workers=readers, thread_name_prefix="horizon-store-read",
                                           initializer=_before_compute)
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="horizon-store-write")
-        self._scratch = memoryview(bytearray(READ_CHUNK)) if prefetch == "read" else None
+        self._scratch = threading.local()  # each reading thread's buffer where MADV_POPULATE_READ is missing
         self._lock = threading.Lock()
-        #: bytes and seconds of the reading thread's prefetches that reached the disk (achieved read bandwidth;
-        #: ``prefetch="read"`` only)
-        self.read_bytes = 0
-        self.read_seconds = 0.0
+        #: bytes and wall seconds of the reading threads' prefetches that reached the disk (achieved read bandwidth;
+        #: ``prefetch="read"`` only), by whether a write-back ran at the same time ("shared") or not ("alone")
+        self.reads: dict[str, list[float]] = {"alone": [0, 0.0], "shared": [0, 0.0]}
+        self._writing = 0  # write-backs running now
+        self._writes = 0  # write-backs started so far
+        self._reading = 0  # prefetch jobs running now
+        self._period: tuple[float, int, bool] = (0.0, 0, False)  # reads since: t0, writes started, one running
+        self._period_bytes = 0
         self._reserve: Optional[Reservation] = None
         self._hooks: list[Any] = []
 
@@ -169,16 +177,35 @@ class StateStore:
     def _grad_arrived(self, p: Tensor) -> None:
         if p.grad is None:
             return
-        p.grad = self.place(p, GRAD, p.grad)
         u = self.unit_of[id(p)]
+        if u.index not in self._ready:
+            self._discard_dead_grads(u)
+        p.grad = self.place(p, GRAD, p.grad)
         n = self._ready.get(u.index, 0) + 1
         if n < len(u.params):
             self._ready[u.index] = n
             return
         self._ready.pop(u.index, None)
+        if u.streamed and u.index > 0:  # the unit before: its weights, and its state when it steps in backward too
+            before = self.units[u.index - 1]
+            self.prefetch(before, (WEIGHT,) if self.unit_ready is None else
+                          [k for i, k in self._files if i == before.index and k != GRAD])
+        if self.unit_ready is not None:
+            self.unit_ready(u)
         self.release(u)  # the unit's backward is over: weights and gradients leave memory
-        if u.streamed and u.index > 0:
-            self.prefetch(self.units[u.index - 1], (WEIGHT,))
+
+    def _discard_dead_grads(self, u: Unit) -> None:
+        """The first gradient of ``u`` in this backward: when no parameter of ``u`` still has its stored gradient
+        (``zero_grad`` set them to ``None``; not when gradients accumulate), last step's gradients are dead and the
+        new ones overwrite them whole: the file forgets them first, so that writing the new ones reads nothing."""
+        f = self._files.get((u.index, GRAD))
+        if f is None:
+            return
+        for q in u.params:
+            v = self._views.get((id(q), GRAD))
+            if q.grad is not None and v is not None and q.grad.data_ptr() == v.data_ptr():
+                return
+        f.discard(0, f.used)
 
     # ------------------------------------------------------------------ forward
 
@@ -202,23 +229,60 @@ class StateStore:
         return [(k, f) for k, f in self._files.items() if k[0] == u.index and (want is None or k[1] in want)]
 
     def prefetch(self, u: Unit, kinds: Optional[Iterable[str]] = None) -> None:
-        """Start bringing ``u``'s files (of ``kinds``; all by default) into the page cache."""
-        if self.prefetch_mode == "none" or u.index in self._inflight and not self._inflight[u.index].done():
+        """Start bringing ``u``'s files (of ``kinds``; all by default) into the page cache, its bytes shared out
+        among the reading threads."""
+        if self.prefetch_mode == "none" or any(not j.done() for j in self._inflight.get(u.index, ())):
             return
         files = [f for key, f in self._unit_files(u, kinds) if not (key[1] == WEIGHT and u.index in self.pinned)]
-        self._inflight[u.index] = self._reader.submit(self._prefetch_job, files)
+        self._inflight[u.index] = [self._reader.submit(self._prefetch_job, part)
+                                   for part in split(files, self.readers)]
 
-    def _prefetch_job(self, files: list[MappedFile]) -> None:
-        r0, _ = io_counters()
-        t0 = time.perf_counter()
-        for f in files:
-            f.prefetch(self.prefetch_mode, self._scratch)
-        r1, _ = io_counters()
+    def _prefetch_job(self, ranges: list[tuple[MappedFile, int, int]]) -> None:
         with self._lock:
-            # "readahead" returns once the reads are queued: its seconds are no measure of the disk
-            if r1 > r0 and self.prefetch_mode == "read":
-                self.read_bytes += r1 - r0
-                self.read_seconds += time.perf_counter() - t0
+            if not self._reading:  # the reading threads get busy: a period of reads starts
+                self._period, self._period_bytes = (time.perf_counter(), self._writes, self._writing > 0), 0
+            self._reading += 1
+        r0, _ = io_counters()
+        try:
+            for f, start, end in ranges:
+                f.prefetch(self.prefetch_mode, self._thread_scratch(), start, end)
+        finally:
+            r1, _ = io_counters()
+            with self._lock:
+                self._reading -= 1
+                self._period_bytes += r1 - r0
+                if not self._reading:
+                    self._end_period()
+
+    def _end_period(self) -> None:
+        """The reading threads are idle: the period's bytes over its wall time, counted as read alone or with a
+        write-back running at some point of it. ``"readahead"`` returns once the reads are queued: no measure."""
+        t0, writes, writing = self._period
+        if self._period_bytes > 0 and self.prefetch_mode == "read":
+            acc = self.reads["shared" if writing or self._writing or self._writes != writes else "alone"]
+            acc[0] += self._period_bytes
+            acc[1] += time.perf_counter() - t0
+
+    def _thread_scratch(self) -> Optional[memoryview]:
+        if self.prefetch_mode != "read":
+            return None
+        buf = getattr(self._scratch, "buf", None)
+        if buf is None:
+            buf = self._scratch.buf = memoryview(bytearray(READ_CHUNK))
+        return buf
+
+    def _write_back(self, fn: Callable[..., None], *args: Any) -> None:
+        """``fn(*args)`` on the writing thread, counted (a read that overlaps it shares the disk with it)."""
+        def job() -> None:
+            with self._lock:
+                self._writing += 1
+                self._writes += 1
+            try:
+                fn(*args)
+            finally:
+                with self._lock:
+                    self._writing -= 1
+        self._writer.submit(job)
 
     def release(self, u: Unit, kinds: Optional[Iterable[str]] = None) -> None:
         """``u``'s files (of ``kinds``) leave this process's memory now; dirty ones are written back (writing thread).
@@ -228,11 +292,11 @@ class StateStore:
             self._dirty.discard(key)
             if key[1] == WEIGHT and (not u.streamed or u.index in self.pinned):
                 if dirty:
-                    self._writer.submit(os.fdatasync, f.fd)
+                    self._write_back(os.fdatasync, f.fd)
                 continue
             f.unmap()
             if dirty:
-                self._writer.submit(f.writeback, True)
+                self._write_back(f.writeback, True)
             else:  # clean pages leave the page cache at once: a read under a memory limit reclaims nothing
                 f.writeback(False)
 
@@ -275,7 +339,9 @@ class StateStore:
 
     def drain(self) -> None:
         """Wait for every queued prefetch and write-back."""
-        self._reader.submit(lambda: None).result()
+        for jobs in self._inflight.values():
+            for j in jobs:
+                j.result()
         self._writer.submit(lambda: None).result()
 
     # ------------------------------------------------------------------ accounting and teardown
@@ -312,4 +378,23 @@ class StateStore:
             f.close()
 
 
-__all__ = ["StateStore", "WEIGHT", "GRAD", "io_counters"]
+def split(files: list[MappedFile], n: int) -> list[list[tuple[MappedFile, int, int]]]:
+    """``files``' bytes in at most ``n`` contiguous shares of about equal size (whole pages), each a list of
+    (file, start, end) ranges."""
+    share = -(-sum(align(f.used) for f in files) // max(n, 1) // PAGE) * PAGE
+    parts: list[list[tuple[MappedFile, int, int]]] = [[]]
+    room = share
+    for f in files:
+        start = 0
+        while start < f.used:
+            if room == 0:
+                parts.append([])
+                room = share
+            end = min(align(f.used), start + room)
+            parts[-1].append((f, start, min(end, f.used)))
+            room -= end - start
+            start = end
+    return [p for p in parts if p]
+
+
+__all__ = ["StateStore", "split", "WEIGHT", "GRAD", "io_counters"]

@@ -9,10 +9,12 @@ process group). A run is
      "strategy": {"collectives": ..., "compression": ..., "sync_every": ...},
      "sharding": null|"auto"|"forced", "backoff": bool, "steps": N, "epoch_steps": E,
      "save_at": K|null, "resume_from": PATH|null, "expect_error": [substrings]|null, "round_init": bool,
-     "scheduler": bool, "gradient_clip_val": float|null, "kill_at": K|null}
+     "scheduler": bool, "gradient_clip_val": float|null, "kill_at": K|null, "backward_hooks": bool}
 
 ``strategy["state_store"]``, a dict, is a ``StoreConfig``'s arguments (out-of-core training); ``kill_at`` SIGKILLs
 the process at the start of training step K (a crash: the test checks what it left behind, then resumes).
+``backward_hooks=false`` leaves out the checks that run between backward and the step (``on_after_backward``,
+``on_before_optimizer_step``): with them the store steps after backward (its ``step="auto"``).
 
 ``steps`` and ``save_at`` count training steps (a manual step with two optimizers is two of Lightning's
 global steps); an epoch is ``epoch_steps`` training steps, so a checkpoint at an epoch boundary resumes exactly.
@@ -96,6 +98,7 @@ class Recorder(L.Callback):
         self.norms: dict[int, list[float]] = {}  # global step -> the backoff's pre-clip norm per optimizer
         self.store_kinds: list[str] = []  # out-of-core: the kinds of tensors in the store's files
         self.store_holds: list[bool] = []  # [every trainable parameter, every optimizer state tensor] in the store
+        self.in_backward: Optional[bool] = None  # out-of-core: the optimizer step ran in backward
 
     def _check(self, what, where: str) -> None:
         self.violations += bad_tensors(what, where)
@@ -103,19 +106,14 @@ class Recorder(L.Callback):
     def on_train_start(self, trainer, pl_module):
         self.initial = true_weights(trainer, pl_module)
         self.violations += module_bad_tensors(pl_module, "module at on_train_start")
+        store = getattr(trainer.strategy, "store", None)
+        self.in_backward = store.in_backward if store is not None else None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self._check(batch, f"on_train_batch_start(batch) step {trainer.global_step}")
 
     def on_before_backward(self, trainer, pl_module, loss):
         self._check(loss, f"on_before_backward(loss) step {trainer.global_step}")
-
-    def on_after_backward(self, trainer, pl_module):
-        self.violations += module_bad_tensors(pl_module, f"module at on_after_backward step {trainer.global_step}")
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        self._check(params, f"on_before_optimizer_step(optimizer params) step {trainer.global_step}")
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self._check(outputs, f"on_train_batch_end(outputs) step {trainer.global_step}")
@@ -138,6 +136,21 @@ class Recorder(L.Callback):
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint):
         self._check(checkpoint, "on_save_checkpoint(checkpoint)")
+
+
+class BackwardChecks(L.Callback):
+    """The Recorder's checks between backward and the step."""
+
+    def __init__(self, recorder: Recorder) -> None:
+        self.recorder = recorder
+
+    def on_after_backward(self, trainer, pl_module):
+        self.recorder.violations += module_bad_tensors(pl_module, "module at on_after_backward step"
+                                                       f" {trainer.global_step}")
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        self.recorder._check(params, f"on_before_optimizer_step(optimizer params) step {trainer.global_step}")
 
 
 class Kill(L.Callback):
@@ -197,7 +210,7 @@ def fit(run: dict, out: Path, seen: dict) -> dict:
                 p.copy_(p.to(torch.bfloat16))
     recorder = Recorder()
     seen.update(model=model, recorder=recorder)
-    callbacks: list[L.Callback] = [recorder]
+    callbacks: list[L.Callback] = [recorder] + ([BackwardChecks(recorder)] if run.get("backward_hooks", True) else [])
     backoff = None
     if run["backoff"]:
         backoff = GradNormBackoff(max_norm=1.0, spike_threshold=1e3, factor=0.5, recover_after=100)
@@ -254,6 +267,7 @@ def fit(run: dict, out: Path, seen: dict) -> dict:
         "shm_after_fit": "lightning-horizon-" in Path("/proc/self/maps").read_text(),
         "store_kinds": recorder.store_kinds,
         "store_holds": recorder.store_holds,
+        "in_backward": recorder.in_backward,
     }
 
 

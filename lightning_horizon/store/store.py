@@ -186,10 +186,13 @@ class StateStore:
             self._ready[u.index] = n
             return
         self._ready.pop(u.index, None)
-        if u.streamed and u.index > 0:  # the unit before: its weights, and its state when it steps in backward too
-            before = self.units[u.index - 1]
-            self.prefetch(before, (WEIGHT,) if self.unit_ready is None else
-                          [k for i, k in self._files if i == before.index and k != GRAD])
+        # the unit whose backward comes next: its weights, and its state when it steps in backward too (after the
+        # first streamed unit: the resident one, whose weights stay mapped)
+        nxt = self.units[u.index - 1] if u.streamed and u.index > 0 else self.units[-1] if u.streamed else None
+        if nxt is not None and self.unit_ready is not None:
+            self.prefetch(nxt, self._kinds(nxt, GRAD))
+        elif nxt is not None and nxt.streamed:
+            self.prefetch(nxt, (WEIGHT,))
         if self.unit_ready is not None:
             self.unit_ready(u)
         self.release(u)  # the unit's backward is over: weights and gradients leave memory
@@ -218,11 +221,17 @@ class StateStore:
     def after_forward(self, u: Unit) -> None:
         backward = torch._C._current_graph_task_id() != -1
         if not backward and torch.is_grad_enabled() and u.index == len(self._order) - 1:
+            if self.unit_ready is not None:  # it steps first in backward: its state comes in meanwhile
+                self.prefetch(u, self._kinds(u, GRAD, WEIGHT))
             return  # the last unit's backward comes right after the rest of the forward
         if not backward:
             self.release(u, (WEIGHT,))
 
     # ------------------------------------------------------------------ page movement
+
+    def _kinds(self, u: Unit, *leave_out: str) -> list[str]:
+        """The kinds of ``u``'s files, but ``leave_out``."""
+        return [k for i, k in self._files if i == u.index and k not in leave_out]
 
     def _unit_files(self, u: Unit, kinds: Optional[Iterable[str]] = None) -> list[tuple[tuple[int, str], MappedFile]]:
         want = None if kinds is None else set(kinds)

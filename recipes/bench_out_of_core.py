@@ -13,9 +13,11 @@ process), is recipes/configs/125m.yaml's width with 4 more layers. The arms:
 
 - ``ram``: ``HorizonStrategy()``: the training state in RAM, no budget, no limit.
 - ``store-<prefetch>`` for each ``--prefetch`` (default ``read,readahead``): ``HorizonStrategy(state_store=
-  StoreConfig(path=<a fresh folder under --store-dir>, prefetch=..., probe_bytes=--probe-bytes),
-  sharding=ShardingConfig(budget=BUDGET))``: weights, gradients and optimizer state in memory-mapped files,
-  streamed layer by layer, and activation recompute planned to fit the same whole-process budget. As root with a
+  StoreConfig(path=<a fresh folder under --store-dir>, prefetch=..., probe_bytes=--probe-bytes[, readers=--readers]
+  [, step=--step]), sharding=ShardingConfig(budget=BUDGET))``: weights, gradients and optimizer state in
+  memory-mapped files, streamed layer by layer, and activation recompute planned to fit the same whole-process
+  budget. Nothing here needs the whole gradient before the step, so ``step="auto"`` (the default) steps each layer
+  in backward; ``--step after_backward`` measures the other schedule (each run's line says which ran). As root with a
   writable memory cgroup the budget is enforced: the run goes into a fresh child cgroup whose memory limit is the
   budget (v1 ``memory.limit_in_bytes`` and ``memory.memsw.limit_in_bytes``; v2 ``memory.max``, no swap); the
   page cache of the store's files is charged there too. Otherwise the budget is checked against the measured peak
@@ -44,13 +46,13 @@ Per arm and batch:
   one killed after its last step (in fit's teardown) keeps its measurement, with that note.
 - bytes read and written per step: ``trainer.strategy.store.metrics()`` (``/proc/self/io`` of the worker over one
   optimizer step), the median of the timed steps.
-- achieved read bandwidth over the last step: ``metrics()["read_bw"]`` (the reading threads' disk reads over the
-  wall time they were reading) and ``read_bw_fraction`` (that over the read bandwidth the store measured at setup,
-  ``store.disk``); split into the reads during which no write-back ran (``read_bw_alone_fraction``, against the
-  same) and those that shared the disk with the step's write-back (``read_bw_shared_fraction``, against the read
-  bandwidth the probe measured while writing). With ``prefetch="readahead"`` the threads only submit the reads
-  (``posix_fadvise``) and the kernel completes them later, so their seconds undercount and the figure is no
-  bandwidth (marked ``*``).
+- achieved read bandwidth over the last step (the median over rounds): ``metrics()["read_bw"]`` (the reading
+  threads' disk reads over the wall time they were reading) and ``read_bw_fraction`` (that over the read bandwidth
+  the store measured at setup, ``store.disk``); split into the reads during which no write-back ran
+  (``read_bw_alone_fraction``, against the same) and those that shared the disk with the step's write-back
+  (``read_bw_shared_fraction``, against the read bandwidth the probe measured while writing). With
+  ``prefetch="readahead"`` the threads only submit the reads (``posix_fadvise``) and the kernel completes them
+  later, so their seconds undercount and the figure is no bandwidth (marked ``*``).
 - final loss: the last step's loss. Same seed, same data, same arithmetic: the store arms must print the ``ram``
   arm's loss exactly ("identical"), else the difference.
 
@@ -93,6 +95,7 @@ PREFETCH = ("read", "readahead", "none")
 MEMORY_FS = {"tmpfs", "ramfs", "devtmpfs", "hugetlbfs"}
 MIB = 2**20
 TARGETS = {"tps": 0.5, "rss": 1.1, "bw": 0.7}
+BW = ("read_bw", "bw_fraction", "bw_alone", "bw_shared")  # the last measured step's of each run; median over rounds
 #: --malloc: every arm's allocator settings. "tuned" is what lightning_horizon's sharding log recommends (GLIBC_HINT):
 #: large blocks mmapped at a fixed threshold, so that RSS follows the live tensors (glibc's default raises its
 #: threshold as it frees and keeps ~200 MiB of the first optimizer step's temporaries resident here)
@@ -260,6 +263,10 @@ def run_arm(arm: str, batch: int, a: argparse.Namespace, budget: int, root: Path
             "wall": wall, "threads": threads, "exit": rc, "kernel": kernel[-12:], "log": log if rc else ""}
 
 
+def _ratio(v: Optional[float]) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
 def model_size(a: argparse.Namespace) -> tuple[int, int]:
     """(parameters, training state bytes) of the GPT: weights, gradients, masters and optimizer state."""
     import torch
@@ -397,6 +404,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                               f" MiB/step  loss {res['loss']:.6f}  others' load {100 * res['foreign']:.0f}%"
                               + ("" if res["in_backward"] is None else
                                  f"  step {'in' if res['in_backward'] else 'after'} backward")
+                              + ("" if res["bw_fraction"] is None else
+                                 f"  read bw {res['read_bw'] / 1e6:,.0f} MB/s = {res['bw_fraction']:.2f} of the probe"
+                                 f" (alone {_ratio(res['bw_alone'])}, shared {_ratio(res['bw_shared'])})")
                               + f"  ({res['wall']:.0f} s)" + (f"  note: {res['note']}" if res["note"] else ""),
                               flush=True)
                         for line in res["kernel"]:
@@ -410,7 +420,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             continue
         tps = [x["tps"] for x in rs]
         peaks = [x["cgroup"]["peak"] for x in rs if x["cgroup"]]
-        rows.append({**rs[-1], "batch": b, "arm": s, "tps": statistics.median(tps), "min": min(tps),
+        bws = {k: statistics.median(v) for k in BW if (v := [x[k] for x in rs if x.get(k) is not None])}
+        rows.append({**rs[-1], **{k: None for k in BW}, **bws, "batch": b, "arm": s, "tps": statistics.median(tps),
+                     "min": min(tps),
                      "max": max(tps), "rss": max(x["rss"] for x in rs), "foreign": max(x["foreign"] for x in rs),
                      "cgroup_peak": max(peaks) if peaks else None,
                      "oom_kill": sum(x["cgroup"].get("oom_kill", 0) for x in rs if x["cgroup"]),

@@ -23,9 +23,9 @@ class StoreConfig:
     in ``horizon-store/``. Put it on a local disk (NVMe), not on a network file system or in ``/dev/shm``."""
 
     prefetch: str = "read"
-    """How the next layer comes in ahead of use: ``"read"`` (the reading thread queues its files whole and maps them
-    in as they arrive; measured as fast or faster than the kernel's read-ahead at 4 and 8 sequences per step, and
-    its bandwidth is measured), ``"readahead"`` (``posix_fadvise(WILLNEED)``: the kernel reads ahead
+    """How the next layer comes in ahead of use: ``"read"`` (the reading threads queue its files whole and map them
+    in as they arrive; measured faster than the kernel's read-ahead at 1 sequence per step and as fast at 4 and 8,
+    and its bandwidth is measured), ``"readahead"`` (``posix_fadvise(WILLNEED)``: the kernel reads ahead
     asynchronously, the first touch maps) or ``"none"`` (page faults on first touch)."""
 
     readers: int = 2

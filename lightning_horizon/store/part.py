@@ -60,7 +60,7 @@ class OutOfCore(Part):
         self._load_hooks: list[Any] = []
         self._io = io_counters("/proc/self/io")
         #: the last optimizer step's bytes read from and written to the disk by this process (``/proc/self/io``), and
-        #: the reading thread's achieved bandwidth over that step (bytes/s; ``None``: no disk read measured)
+        #: the reading threads' achieved bandwidth over that step (bytes/s, by kind of read: see metrics())
         self.last_read = 0
         self.last_written = 0
         self.last_read_bw: dict[str, float] = {}

@@ -7,15 +7,17 @@ file of one kind is created at that kind's first tensor, sized for all the layer
 
 Values never change on the way in: a tensor placed in the store is copied into its view bit for bit, so a run
 with a store computes exactly what the same run in RAM computes. What the store changes is where the bytes are
-between uses; :class:`StateStore` moves a layer's pages in (prefetch, on its reading thread) before it is used and out
+between uses; :class:`StateStore` moves a layer's pages in (prefetch, on its reading threads) before it is used and out
 (unmap, write back, drop from the page cache) after:
 
 - forward: a unit's weights are prefetched when the previous unit starts, and unmapped when it has run (the last
   unit stays: its backward comes next);
-- backward: a unit's gradients go into the store as they are accumulated; when the unit is complete its weights
-  and gradients leave memory and the unit before it is prefetched;
+- backward: a unit's gradients go into the store as they are accumulated (over last step's, discarded unread);
+  when the unit is complete it steps (:attr:`unit_ready`, when the step runs in backward), its weights and
+  gradients leave memory and the unit before it is prefetched (with its state, when it will step);
 - the gradient norm, clipping and the fp32 masters' copy-back walk the gradients layer by layer (:meth:`stream`);
-- the optimizer step runs layer by layer (store/step.py), reading and writing each layer's state once.
+- the optimizer step runs layer by layer (store/step.py), in or after backward, reading and writing each layer's
+  state once.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def io_counters(path: str = "/proc/thread-self/io") -> tuple[int, int]:
 
 
 def _before_compute() -> None:
-    """The reading thread runs before the compute threads when both are ready (it needs the CPU briefly, between
+    """A reading thread runs before the compute threads when both are ready (it needs the CPU briefly, between
     waits on the disk); without the permission to raise a priority, it stays as it is."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), -10)

@@ -336,6 +336,25 @@ def test_step_in_backward_refused_by_name_where_something_is_in_the_way(tmp_path
         err.value) and "'auto'" in str(err.value), str(err.value)
     assert not seen.stepped
 
+    class PreHooked(L.LightningModule):  # BoringModel's, with a step pre-hook on its optimizer
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(32, 2)
+
+        def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+            return self.layer(batch).sum()
+
+        def train_dataloader(self) -> Any:
+            return torch.utils.data.DataLoader(torch.randn(8, 32), batch_size=2)
+
+        def configure_optimizers(self) -> Any:
+            opt = torch.optim.SGD(self.parameters(), lr=0.1)
+            opt.register_step_pre_hook(lambda *a: None)
+            return opt
+
+    with pytest.raises(ValueError, match="a step pre-hook on SGD"):
+        _fit(tmp_path, StoreConfig(path=str(tmp_path / "s"), probe_bytes=0, step="in_backward"), model=PreHooked())
+
 
 class _Before(L.Callback):
     def __init__(self) -> None:

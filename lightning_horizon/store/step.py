@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
+from torch.optim.optimizer import _global_optimizer_pre_hooks
 
 from lightning_horizon.optim_parts import Part, step_in_parts
 from lightning_horizon.state import TrainingState
@@ -135,6 +136,10 @@ def backward_step_conflicts(trainer: Any, optimizers: list[Any], precision: Any)
         out.append(f"{type(precision).__name__}(mode={precision.mode!r}, master={precision.master!r}) (its own step)")
     if getattr(precision, "backend", "native") != "native":
         out.append(f"{type(precision).__name__}(backend={precision.backend!r})")
+    for opt in optimizers:  # a pre-hook would run in backward, before the other units' gradients exist
+        opt = getattr(opt, "optimizer", opt)
+        if opt._optimizer_step_pre_hooks or _global_optimizer_pre_hooks:
+            out.append(f"a step pre-hook on {type(opt).__name__} (register_step_pre_hook)")
     hooks = ("on_after_backward", "on_before_optimizer_step")
     for hook in (*hooks, "configure_gradient_clipping"):
         if getattr(type(module), hook) is not getattr(pl.LightningModule, hook):

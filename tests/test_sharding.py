@@ -392,7 +392,7 @@ def _run_models(*args):
 def test_peak_rss_stays_within_budget():
     plain = _run_models("plain")
     rows = []
-    for fraction in (0.4, 0.6, 1.0):
+    for fraction in (0.4, 1.0):  # recompute needed / not needed
         r = _run_models("sharded", fraction, plain["base"], plain["peak"])
         rows.append((fraction, r))
         assert r["peak"] <= 1.1 * r["budget"], f"{fraction:.0%}: peak {r['peak']} > 1.1 x budget {r['budget']}"

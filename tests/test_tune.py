@@ -267,6 +267,7 @@ def test_workload_and_sizes_of_a_module():
 TINY = str(REPO / "recipes" / "configs" / "tiny.yaml")
 
 
+@pytest.mark.slow  # ~30 s of real runs; the runner, selection, cache and hand-over are tested above without them
 def test_real_tuning_on_two_cores_feeds_the_recipe(tmp_path, monkeypatch):
     """1 x 2 against 2 x 1 on the tiny recipe (1 warm-up + 3 measured steps each), cached; the recipe then takes it."""
     if Machine.here().cores < 2:

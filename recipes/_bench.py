@@ -15,9 +15,10 @@ import os
 import sys
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 CGROUP_ENV = "HORIZON_BENCH_CGROUP"
 
@@ -114,6 +115,28 @@ def cgroup_stats(group: Cgroup) -> dict[str, int]:
     return out
 
 
+@contextmanager
+def run_cgroup(env: dict[str, str], prefix: str, limit: Optional[int] = None) -> Iterator[Optional[Cgroup]]:
+    """A fresh cgroup for one worker run (:func:`new_cgroup`), named in the worker's ``env``, removed afterwards;
+    None where none can be made."""
+    cg = new_cgroup(prefix, limit)
+    if cg:
+        env[CGROUP_ENV] = str(cg.path)
+    try:
+        yield cg
+    finally:
+        if cg:
+            remove_cgroup(cg.path)
+
+
+def probe_cgroup(prefix: str, limit: Optional[int] = None) -> Optional[Cgroup]:
+    """Whether the runs will get cgroups (one made and removed at once; its ``method`` and ``limit`` still say how)."""
+    cg = new_cgroup(prefix, limit)
+    if cg:
+        remove_cgroup(cg.path)
+    return cg
+
+
 def remove_cgroup(group: Path) -> None:
     for _ in range(50):  # the killed ranks leave the cgroup as they are reaped
         try:
@@ -140,6 +163,15 @@ def cpu_model() -> str:
     """The CPU's model name from /proc/cpuinfo ("?" where it says none)."""
     return next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                  if line.startswith("model name")), "?")
+
+
+def cpu_line(*extra: str) -> str:
+    """A benchmark's CPU line: the model, the machine, ``extra`` fields, the ISA and whether bf16 is native."""
+    from lightning_horizon.cpu import isa
+    from lightning_horizon.layout import Machine
+
+    return " | ".join([f"CPU: {cpu_model()}", Machine.here().describe(), *extra,
+                       f"ISA {isa().description}, native bf16: {'yes' if isa().native_bf16 else 'no'}"])
 
 
 def parse_common(p: "argparse.ArgumentParser", argv: Optional[list[str]], smoke: dict,
@@ -170,5 +202,5 @@ def parse_common(p: "argparse.ArgumentParser", argv: Optional[list[str]], smoke:
     return a
 
 
-__all__ = ["CGROUP_ENV", "Cgroup", "cgroup_stats", "cpu_model", "join_cgroup", "new_cgroup", "parse_common",
-           "parse_size", "remove_cgroup"]
+__all__ = ["CGROUP_ENV", "Cgroup", "cgroup_stats", "cpu_line", "cpu_model", "join_cgroup", "new_cgroup",
+           "parse_common", "parse_size", "probe_cgroup", "remove_cgroup", "run_cgroup"]

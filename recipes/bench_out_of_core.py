@@ -85,8 +85,7 @@ import time  # noqa: E402
 import uuid  # noqa: E402
 from typing import Any, Optional  # noqa: E402
 
-from _bench import CGROUP_ENV, cgroup_stats, cpu_model, new_cgroup, parse_common, parse_size  # noqa: E402
-from _bench import remove_cgroup  # noqa: E402
+from _bench import cgroup_stats, cpu_line, parse_common, parse_size, probe_cgroup, run_cgroup  # noqa: E402
 
 #: --precision: Lightning's fp32, or HorizonPrecision("bf16-true", master="fp32") (bf16 weights and gradients, fp32
 #: masters); with the arguments of lightning_horizon.memory.estimate.bytes_per_param for the training state
@@ -212,18 +211,14 @@ def run_arm(arm: str, batch: int, a: argparse.Namespace, budget: int, root: Path
     env = clean_env()  # a clean shell, as tune's workers
     env.pop("GLIBC_TUNABLES", None)
     env.update({OUT_ENV: f"{out}.timer.json", WARMUP_ENV: str(a.warmup), **MALLOC[a.malloc]})
-    cg = new_cgroup("bench_ooc", budget if prefetch and a.enforce else None)
-    if cg:
-        env[CGROUP_ENV] = str(cg.path)
-    before = set(kernel_log()) if cg and cg.limit else set()
-    t0 = time.perf_counter()
     try:
-        rc, log = run_worker([sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec),
-                              "--out", f"{out}.json"], env, a.timeout)
-        cgroup = cgroup_stats(cg) if cg else None
+        with run_cgroup(env, "bench_ooc", budget if prefetch and a.enforce else None) as cg:
+            before = set(kernel_log()) if cg and cg.limit else set()
+            t0 = time.perf_counter()
+            rc, log = run_worker([sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec),
+                                  "--out", f"{out}.json"], env, a.timeout)
+            cgroup = cgroup_stats(cg) if cg else None
     finally:
-        if cg:
-            remove_cgroup(cg.path)
         shutil.rmtree(folder, ignore_errors=True)
     wall = time.perf_counter() - t0
     where = ""
@@ -335,8 +330,6 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             or a.n_embd % a.n_head or not prefetch or set(prefetch) - set(PREFETCH):
         p.error(f"need --batches >= 1, --warmup/--steps/--rounds >= 1, --ratio > 0, --n-head dividing --n-embd"
                 f" and --prefetch of {PREFETCH}")
-    from lightning_horizon.cpu import isa
-    from lightning_horizon.layout import Machine
     from lm_data import ByteCorpusDataModule
 
     params, state = model_size(a)
@@ -353,9 +346,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             p.error(f"the store's folder {root_base} is on {fstype} (memory): pass --store-dir on a disk")
         print(f"warning: the store's folder {root_base} is on {fstype} (memory): no disk is measured",
               file=sys.stderr)
-    cg = new_cgroup("bench_ooc", budget) if a.enforce else None
-    if cg:
-        remove_cgroup(cg.path)
+    cg = probe_cgroup("bench_ooc", budget) if a.enforce else None
     method = (f"enforced: a fresh child cgroup per run, memory limit = the budget (cgroup {cg.method} for its"
               " peak; the ram arm: a cgroup with no limit)" if cg else
               "not enforced (" + ("--no-limit" if not a.enforce else "not root or no writable memory cgroup")
@@ -366,8 +357,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
           f" {a.precision} | AdamW | batches {','.join(map(str, batches))} x {a.seq} tokens (the recipe's:"
           f" {max(batches)}) | arms {', '.join(arms)} | {a.warmup} warm-up + {a.steps} measured steps |"
           f" {a.rounds} round(s) | {started}", flush=True)
-    print(f"CPU: {cpu_model()} | {Machine.here().describe()} | ISA {isa().description}, native bf16:"
-          f" {'yes' if isa().native_bf16 else 'no'} | malloc: {a.malloc}"
+    print(cpu_line() + f" | malloc: {a.malloc}"
           f" {' '.join(f'{k}={v}' for k, v in MALLOC[a.malloc].items()) or '(defaults)'}", flush=True)
     planned = ("the budget" if a.plan_budget == budget else "off" if a.plan_budget is None
                else f"{a.plan_budget / MIB:,.0f} MiB (--plan-budget)")

@@ -69,7 +69,7 @@ import time  # noqa: E402
 import uuid  # noqa: E402
 from typing import Any, Optional  # noqa: E402
 
-from _bench import CGROUP_ENV, cpu_model, new_cgroup, parse_common, parse_size, remove_cgroup  # noqa: E402
+from _bench import cpu_line, parse_common, parse_size, probe_cgroup, run_cgroup  # noqa: E402
 STATES = ("replicated", "node_sharded")  # the --fit-memory search compares these two
 #: the arms of the comparison: HorizonStrategy keywords (node_sharded shares one copy of the weights per node;
 #: "node_sharded-copies" keeps a copy per rank that the owners update by broadcast)
@@ -150,17 +150,11 @@ def run_arm(state: str, ranks: int, a: argparse.Namespace, n_embd: int, warmup: 
     out = tmp / uuid.uuid4().hex[:12]
     env = clean_env()  # a clean shell, as tune's workers
     env.update({OUT_ENV: f"{out}.json", WARMUP_ENV: str(warmup)})
-    cg = new_cgroup("bench_state")
-    if cg:
-        env[CGROUP_ENV] = str(cg.path)
-    t0 = time.perf_counter()
-    try:
+    with run_cgroup(env, "bench_state") as cg:
+        t0 = time.perf_counter()
         rc, log = run_worker([sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec),
                               "--out", str(out)], env, a.timeout)
         cgroup_peak = cg.peak() if cg else None
-    finally:
-        if cg:
-            remove_cgroup(cg.path)
     wall = time.perf_counter() - t0
     rank_files = sorted(tmp.glob(f"{out.name}.rank*.json"))
     if rc != 0 or not Path(f"{out}.json").exists() or len(rank_files) != ranks:
@@ -229,25 +223,18 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             or 64 % a.n_head or a.n_embd % a.n_head:
         p.error("need --ranks >= 2, --warmup/--steps/--rounds >= 1, --fit-steps >= 2, --n-head dividing 64 and"
                 " --n-embd")
-    from lightning_horizon.cpu import isa
-    from lightning_horizon.layout import Machine
     from lm_data import ByteCorpusDataModule
 
     cores = len(os.sched_getaffinity(0))
-    model_name = cpu_model()
-    cg = new_cgroup("bench_state")
+    cg = probe_cgroup("bench_state")
     method = (f"cgroup {cg.method} (a fresh child cgroup per run)" if cg
               else "sum over ranks of each rank's peak PSS at step ends")
-    if cg:
-        remove_cgroup(cg.path)
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     print(f"bench_state: GPT {a.n_layer} layers x {a.n_embd} ({parameters(a, a.n_embd) / 1e6:.2f}M params),"
           f" {a.n_head} heads | {a.batch} x {a.seq} tokens per rank | {a.precision} | AdamW | ranks"
           f" {','.join(map(str, ranks))} | {a.warmup} warm-up + {a.steps} measured steps | {a.rounds} round(s) |"
           f" {started}", flush=True)
-    print(f"CPU: {model_name} | {Machine.here().describe()} | /proc/cpuinfo processors:"
-          f" {Path('/proc/cpuinfo').read_text().count('processor')} | ISA {isa().description}, native bf16:"
-          f" {'yes' if isa().native_bf16 else 'no'}", flush=True)
+    print(cpu_line(f"/proc/cpuinfo processors: {Path('/proc/cpuinfo').read_text().count('processor')}"), flush=True)
     print(f"peak memory per node: {method}", flush=True)
     for r in ranks:
         if r > cores:

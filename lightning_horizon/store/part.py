@@ -81,13 +81,12 @@ class OutOfCore(Part):
         self.store.install()
         self.training_state.store = self.store
 
-    def setup(self, optimizers: list[Any], trainer: Any = None, precision: Any = None) -> None:
+    def setup(self, optimizers: list[Any], trainer: Any, precision: Any) -> None:
         """Once the optimizers exist: when the step runs (``trainer`` and ``precision`` say what is in the way of
-        stepping in backward; without a trainer it steps after backward), reserve, probe, the layer-by-layer step, the
-        plan table."""
+        stepping in backward), reserve, probe, the layer-by-layer step, the plan table."""
         store = self.store
         assert store is not None and self.folder is not None
-        conflicts = ["no trainer"] if trainer is None else backward_step_conflicts(trainer, optimizers, precision)
+        conflicts = backward_step_conflicts(trainer, optimizers, precision)
         if self.config.step == "in_backward" and conflicts:
             raise ValueError(f"StoreConfig(step='in_backward') cannot run this fit's optimizer step in backward:"
                              f" {'; '.join(conflicts)}. Use step='auto' (after backward here) or 'after_backward'")

@@ -55,9 +55,13 @@ class StreamedStep:
         for i, g in enumerate(self.optimizer.param_groups):
             for x in g["params"]:
                 if x.grad is not None and id(x) not in self._early:
-                    u = self.store.unit_of.get(id(self.training_state.parameter_of(x)))
+                    u = self._unit(x)
                     by_unit.setdefault(u.index if u is not None else len(self.store.units), []).append((i, x))
         return [by_unit[k] for k in sorted(by_unit)]
+
+    def _unit(self, x: Tensor) -> Optional[Unit]:
+        """The store's unit of the parameter ``x`` stands for (a master: its parameter's); None: no unit."""
+        return self.store.unit_of.get(id(self.training_state.parameter_of(x)))
 
     def __call__(self, closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
         loss = None
@@ -76,7 +80,7 @@ class StreamedStep:
             out = self._original(**kwargs)
             self.training_state.settle(self.optimizer, [x for part in parts for _, x in part])
             return loss if closure is not None else out
-        units = [self.store.unit_of.get(id(self.training_state.parameter_of(part[0][1]))) for part in parts]
+        units = [self._unit(part[0][1]) for part in parts]
 
         def step(k: int, part: Part) -> Any:
             if k + 1 < len(parts) and units[k + 1] is not None:
@@ -101,7 +105,7 @@ class StreamedStep:
         """In backward: ``unit``'s gradients are complete; its parameters step now (the step's first call fires the
         pre-hooks; the post-hooks wait for the end of the step)."""
         part = [(i, x) for i, g in enumerate(self.optimizer.param_groups) for x in g["params"]
-                if x.grad is not None and self.store.unit_of.get(id(self.training_state.parameter_of(x))) is unit]
+                if x.grad is not None and self._unit(x) is unit]
         if part:
             step_in_parts(self.optimizer, [part], lambda p: self._step_part(p, kwargs), first=not self._early,
                           last=False)

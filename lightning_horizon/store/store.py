@@ -188,13 +188,12 @@ class StateStore:
             self._ready[u.index] = n
             return
         self._ready.pop(u.index, None)
-        # the unit whose backward comes next: its weights, and its state when it steps in backward too (after the
-        # first streamed unit: the resident one, whose weights stay mapped)
-        nxt = self.units[u.index - 1] if u.streamed and u.index > 0 else self.units[-1] if u.streamed else None
-        if nxt is not None and self.unit_ready is not None:
-            self.prefetch(nxt, self._kinds(nxt, GRAD))
-        elif nxt is not None and nxt.streamed:
-            self.prefetch(nxt, (WEIGHT,))
+        if u.streamed:  # the unit whose backward comes next (after unit 0: the resident one, its weights mapped)
+            nxt = self.units[u.index - 1] if u.index > 0 else self.units[-1]
+            if self.unit_ready is not None:  # it steps in backward too: its state comes with its weights
+                self.prefetch(nxt, self._kinds(nxt, GRAD))
+            elif nxt.streamed:
+                self.prefetch(nxt, (WEIGHT,))
         if self.unit_ready is not None:
             self.unit_ready(u)
         self.release(u)  # the unit's backward is over: weights and gradients leave memory

@@ -2,8 +2,9 @@
 
 * tests/scripts/collectives_ddp.py: raw torch DDP on gloo, 4 ranks as 2 emulated nodes x 2 (fork, cheap):
   gradient parity of every hook with DDP's own allreduce over 100 iterations, bitwise agreement across ranks,
-  error feedback, byte accounting vs the cost model, loss trajectories, compressed training, local SGD, bf16
-  buckets summed in fp32, error feedback through a non-finite step.
+  error feedback, byte accounting vs the cost model, loss trajectories, compressed training, local SGD (the
+  schedule, and each average against the float64 mean of the nodes' weights before it), bf16 buckets summed in
+  fp32, error feedback through a non-finite step.
 * tests/scripts/collectives_fit.py: Lightning fits with HorizonStrategy(collectives=...) on the same 4 ranks,
   in one launch: trajectories vs Lightning's DDP, hook registration on CPU, checkpoint resume of the error
   feedback and of the local-SGD counters, GradNormBackoff under local SGD and through a NaN with int8.
@@ -231,7 +232,7 @@ DDP_CHECKS = (
     + [f"{kind}_odd_hierarchical_int8" for kind in ("error_feedback", "bitwise", "accounting")]
     + ["auto_choices_odd", "trajectory_hierarchical", "trajectory_torus2d"]
     + ["compressed_training_hierarchical_int8", "compressed_training_flat_bf16"]
-    + ["local_sgd_schedule", "local_sgd_state"]
+    + ["local_sgd_schedule", "local_sgd_mean", "local_sgd_state"]
     + [f"bf16_sum_{v}" for v in ("flat", "hierarchical", "torus2d", "local_sgd")]
     + [f"nonfinite_{v}" for v in ("flat_int8", "hierarchical_int8", "torus2d_bf16")]
 )
@@ -321,6 +322,7 @@ def test_backoff_under_local_sgd_clips_each_node_by_its_own_norm(fits):
         assert row[1]["norm"] == node0 and row[3]["norm"] == node1  # equal gradients inside a node
         assert BACKOFF_MAX_NORM < node0 < BACKOFF_SPIKE < node1  # both clipped; only node 1 spikes
         assert all(r["clipped"] == pytest.approx(BACKOFF_MAX_NORM, rel=1e-3) for r in row)
+        assert all(r["clip_error"] <= 1e-6 for r in row)  # torch's clip of the node's own gradients
         assert all(r["world"] == node1 and r["scale"] == pytest.approx(0.8 ** (i + 1)) for r in row)
         assert len({(r["world"], r["scale"]) for r in row}) == 1
 

@@ -221,6 +221,8 @@ def plan(case: Case) -> Plan:
 class Runner:
     """Launches runs grouped by world size, several fits per process (at most ``chunk`` per launch), and relaunches
     the runs after one that ended its launch (an unexpected error on a rank whose peers may be mid-collective).
+    The run a launch ended in is never launched again: it fails with the launch's output, also when no rank raised
+    (a signal, an abort), since a crash that a second launch would not repeat is still a crash.
     Results stay on disk; :meth:`get` loads one run's (a few are cached)."""
 
     def __init__(self, work: Path, chunk: int = 60) -> None:
@@ -229,7 +231,6 @@ class Runner:
         self.status: dict[str, Optional[dict]] = {}  # run name -> None (every rank wrote a result) or the crash
         self.timings: list[tuple[int, int, float]] = []  # (world, runs, seconds) per launch
         self._cache: dict[str, list] = {}
-        self._retried: set[str] = set()
 
     def files(self, run: dict) -> list[Path]:
         return [self.work / f"{run['name']}.rank{r}.pt" for r in range(run["world"])]
@@ -279,14 +280,9 @@ class Runner:
                     self.status[run["name"]] = None
                     continue
                 errors = [torch.load(f, weights_only=False) for f in present]
-                if rc not in (0, "timeout") and not errors and run["name"] not in self._retried:
-                    # died without raising (a signal, an abort, a child that failed to start): once more
-                    self._retried.add(run["name"])
-                    rest = pending[i:]
-                    break
-                again = " (twice)" if run["name"] in self._retried else ""
-                self.status[run["name"]] = {"crashed": f"launch ended ({rc}) in this run{again}", "errors": errors,
-                                            "tail": tail}
+                how = "" if errors or rc == "timeout" else "without raising (a signal, an abort, a failed start)"
+                self.status[run["name"]] = {"crashed": f"launch ended ({rc}) in this run {how}".rstrip(),
+                                            "errors": errors, "tail": tail}
                 if rc != 0:
                     rest = pending[i + 1:]
                     break
@@ -638,3 +634,35 @@ def test_refused_combination_raises_naming_both_options(values, phrases):
         L.Trainer(accelerator="cpu", devices=1, logger=False,
                   strategy=HorizonStrategy(**{"collectives": "hierarchical", **_strategy_kwargs(values)}))
     assert all(p in str(info.value) for p in phrases), str(info.value)
+
+
+_DIES_ONCE = """
+import json, os, signal, sys
+from pathlib import Path
+
+config, work = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])
+for run in config["runs"]:
+    marker = work / (run["name"] + ".died")
+    if run["name"] == "b" and not marker.exists():  # a crash that does not repeat
+        marker.touch()
+        print("run b: killed by a signal, nothing raised", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    (work / (run["name"] + ".rank0.pt")).write_bytes(b"")
+"""
+
+
+def test_a_launch_that_dies_without_raising_fails_its_run_and_is_not_retried(tmp_path, monkeypatch):
+    """A crash that a relaunch would not repeat must not pass unseen: the run the launch died in fails, with the
+    launch's output in its message; the runs after it, which never ran, get a launch of their own."""
+    script = tmp_path / "dies_once.py"
+    script.write_text(_DIES_ONCE)
+    monkeypatch.setitem(globals(), "SCRIPT", script)
+    runner = Runner(tmp_path)
+    runner.run_all([{"name": name, "world": 1} for name in "abc"])
+    assert runner.status["a"] is None and runner.status["c"] is None
+    assert runner.status["b"] is not None, f"b was launched again and passed: launches {runner.timings}"
+    problems: list[str] = []
+    assert not check_ran("case", {"name": "b"}, runner.get({"name": "b"}), PAIRWISE[0], problems)
+    assert len(problems) == 1 and "run b: killed by a signal, nothing raised" in problems[0], problems
+    assert "(-9)" in problems[0], problems
+    assert [n for _, n, _ in runner.timings] == [3, 1]  # a, b (died) | c: b itself was not launched again

@@ -71,7 +71,8 @@ class Tiny(L.LightningModule):
     def on_before_optimizer_step(self, optimizer):
         # the module's hook runs after the callbacks': the lr is scaled and the gradients clipped by now
         self.seen.append(dict(step=self.global_step, lrs=[g["lr"] for g in optimizer.param_groups],
-                              clipped_norm=total_norm_fp32(self.parameters()).item()))
+                              clipped_norm=total_norm_fp32(self.parameters()).item(),
+                              grads=[None if p.grad is None else p.grad.detach().clone() for p in self.parameters()]))
 
     def on_train_batch_start(self, batch, batch_idx):
         if self.global_step in self.nan_at:
@@ -91,6 +92,30 @@ class Tiny(L.LightningModule):
         if self.sched is None:
             return opt
         return {"optimizer": opt, "lr_scheduler": {"scheduler": self.sched(opt), "interval": "step"}}
+
+
+class PreClipGrads(L.Callback):
+    """The gradients as the step's first callback sees them: listed before GradNormBackoff, before its clip."""
+
+    def __init__(self) -> None:
+        self.rows: list[list[torch.Tensor]] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.rows.append([p.grad.detach().clone() for p in pl_module.parameters()])
+
+
+def torch_clipped(grads: list[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> list[torch.Tensor]:
+    """``torch.nn.utils.clip_grad_norm_`` applied to a copy of ``grads``: the reference clip."""
+    params = [nn.Parameter(torch.empty_like(g)) for g in grads]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+    return [p.grad for p in params]
+
+
+def flat_norm(grads: list[torch.Tensor], norm_type: float = 2.0) -> float:
+    """The reference norm: float64, over all gradients concatenated."""
+    return torch.linalg.vector_norm(torch.cat([g.double().reshape(-1) for g in grads]), norm_type).item()
 
 
 def _snapshot(module, optimizer):
@@ -115,13 +140,16 @@ def _scales(model, base_lr):
 def test_spike_backs_off_once_and_recovers(tmp_path):
     torch.manual_seed(0)
     backoff = GradNormBackoff(max_norm=1.0, spike_threshold=1e4, factor=0.8, recover_after=4)
-    model, logger = Tiny(lr=0.1, spike_at=[3]), ListLogger()
-    _fit(model, [backoff], 10, tmp_path, logger=logger)
+    model, logger, pre = Tiny(lr=0.1, spike_at=[3]), ListLogger(), PreClipGrads()
+    _fit(model, [pre, backoff], 10, tmp_path, logger=logger)
 
     assert _scales(model, 0.1) == pytest.approx([1, 1, 1, 0.8, 0.8, 0.8, 0.8, 1, 1, 1], abs=1e-12)
     assert backoff.spikes == 1 and backoff.skipped_steps == 0 and backoff.lr_scale == 1.0
     assert all(row["lr_after"] == 0.1 for row in model.seen)  # the scheduler's lr is back after every step
-    assert all(row["clipped_norm"] <= 1.0 + 1e-5 for row in model.seen)
+    # the step uses exactly torch's clip of the unclipped gradients (the spike's, at least, needed clipping)
+    assert len(pre.rows) == 10 and flat_norm(pre.rows[3]) > 1e4
+    for unclipped, row in zip(pre.rows, model.seen):
+        torch.testing.assert_close(row["grads"], torch_clipped(unclipped, 1.0), rtol=1e-6, atol=0)
     logged = [row for row in logger.rows if "grad_norm" in row]
     assert len(logged) == 10 and all(set(NAMES) <= set(row) for row in logged)
     assert logged[3]["grad_norm"] > 1e4 and logged[3]["lr_scale"] == pytest.approx(0.8)
@@ -353,3 +381,46 @@ def test_norm_of_float64_gradients_is_float64():
     p.grad = torch.tensor([3.0, 4.0, 1e-12], dtype=torch.float64)
     norm = total_norm_fp32([p])
     assert norm.dtype == torch.float64 and norm.item() == math.sqrt(25.0 + 1e-24)
+
+
+def _grads(dtypes: list[torch.dtype], seed: int = 0) -> list[nn.Parameter]:
+    """Parameters of several shapes and magnitudes (1e-3 to 1e2) with gradients, and one without."""
+    g = torch.Generator().manual_seed(seed)
+    shapes, scales = [(7, 5), (13,), (1,), (64, 3)], [1e-3, 1.0, 30.0, 1e2]
+    params = []
+    for shape, scale, dtype in zip(shapes, scales, dtypes):
+        p = nn.Parameter(torch.zeros(shape, dtype=dtype))
+        p.grad = (torch.randn(shape, generator=g) * scale).to(dtype)
+        params.append(p)
+    return params + [nn.Parameter(torch.zeros(3, dtype=dtypes[0]))]  # no gradient: ignored
+
+
+@pytest.mark.parametrize("norm_type", [0.5, 1.0, 2.0, 3.0, math.inf])
+@pytest.mark.parametrize("dtypes", ["fp32", "bf16", "fp32+bf16"])
+def test_total_norm_fp32_is_the_float64_norm_of_all_gradients_concatenated(norm_type, dtypes):
+    """bf16 gradients are measured in fp32 (a bf16 result would be off by up to 2^-9)."""
+    f32, b16 = torch.float32, torch.bfloat16
+    params = _grads({"fp32": [f32] * 4, "bf16": [b16] * 4, "fp32+bf16": [f32, b16, f32, b16]}[dtypes])
+    ref = flat_norm([p.grad for p in params if p.grad is not None], norm_type)
+    norm = total_norm_fp32(params, norm_type)
+    assert norm.dtype == torch.float32 and norm.dim() == 0
+    assert norm.item() == pytest.approx(ref, rel=1e-6, abs=0)
+
+
+@pytest.mark.parametrize("norm_type", [1.0, 2.0, math.inf])
+@pytest.mark.parametrize("bad", ["inf", "-inf", "nan", "inf and nan"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_total_norm_fp32_of_non_finite_gradients_is_what_float64_gives(norm_type, bad, dtype):
+    """Nothing is masked: an inf gives inf, a NaN gives NaN (also next to an inf, also for the max norm)."""
+    params = _grads([dtype] * 4, seed=1)
+    if "inf" in bad:
+        params[1].grad[3] = -math.inf if bad == "-inf" else math.inf
+    if "nan" in bad:
+        params[3].grad[5, 1] = math.nan
+    ref = flat_norm([p.grad for p in params if p.grad is not None], norm_type)
+    norm = total_norm_fp32(params, norm_type).item()
+    assert not math.isfinite(ref) and (norm == ref or (math.isnan(norm) and math.isnan(ref))), (norm, ref)
+
+
+def test_total_norm_fp32_without_gradients_is_zero():
+    assert total_norm_fp32([nn.Parameter(torch.ones(2))]).item() == 0.0 and total_norm_fp32([]).item() == 0.0

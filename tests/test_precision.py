@@ -5,10 +5,12 @@ Tiny models only (bf16 is emulated on some CPUs). No timing assertions: speed li
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 import types
+from typing import Iterator
 
 import pytest
 import torch
@@ -91,6 +93,31 @@ def loader(n: int = 64, batch: int = 8) -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(markov(n), batch_size=batch)
 
 
+def float64_norm(grads: list[torch.Tensor]) -> float:
+    """The reference 2-norm: float64, over all gradients concatenated."""
+    return torch.linalg.vector_norm(torch.cat([g.double().reshape(-1) for g in grads])).item()
+
+
+def torch_clipped(grads: list[torch.Tensor], max_norm: float) -> list[torch.Tensor]:
+    """The reference clip: ``torch.nn.utils.clip_grad_norm_`` on an fp32 copy of ``grads``, in their dtype."""
+    params = [nn.Parameter(torch.empty_like(g, dtype=torch.float32)) for g in grads]
+    for p, g in zip(params, grads):
+        p.grad = g.detach().float().clone()
+    torch.nn.utils.clip_grad_norm_(params, max_norm)
+    return [p.grad.to(g.dtype) for p, g in zip(params, grads)]
+
+
+def assert_clipped_like_torch(used: list[torch.Tensor], unclipped: list[torch.Tensor], max_norm: float) -> None:
+    """``used`` (what the step used) is torch's clip of ``unclipped``: to fp32 rounding, or for bf16 grads to two
+    bf16 roundings (a bf16 gradient times the clip factor is rounded to bf16, the reference is rounded once)."""
+    assert float64_norm(unclipped) > max_norm  # a clip happened
+    ref = torch_clipped(unclipped, max_norm)
+    assert len(used) == len(ref)
+    for u, r in zip(used, ref):
+        rtol = 2.0**-7 if torch.bfloat16 in (u.dtype, r.dtype) else 1e-6
+        torch.testing.assert_close(u.float(), r.float(), rtol=rtol, atol=0)
+
+
 def snapshot(module, optimizer, plugin) -> list[torch.Tensor]:
     out = [t.detach().clone() for t in module.state_dict().values()]
     out += [t.detach().clone() for t in plugin.training_state.extra_tensors()]
@@ -144,7 +171,9 @@ def test_auto_follows_the_isa_and_says_why(monkeypatch):
     assert HorizonPrecision().compute == "bf16"
 
 
-def test_policy_logged_once_at_setup():
+@contextlib.contextmanager
+def precision_log() -> Iterator[list[logging.LogRecord]]:
+    """The records of the precision's logger, INFO and up (a handler on it: the package may not propagate)."""
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append
@@ -153,10 +182,15 @@ def test_policy_logged_once_at_setup():
     old = logger.level
     logger.setLevel(logging.INFO)
     try:
-        trainer(HorizonPrecision("auto"), steps=2).fit(TinyLM(), loader(16))
+        yield records
     finally:
         logger.removeHandler(handler)
         logger.setLevel(old)
+
+
+def test_policy_logged_once_at_setup():
+    with precision_log() as records:
+        trainer(HorizonPrecision("auto"), steps=2).fit(TinyLM(), loader(16))
     lines = [r.getMessage() for r in records if "ISA found" in r.getMessage()]
     assert len(lines) == 1 and "HorizonPrecision(mode='bf16-mixed')" in lines[0]
 
@@ -172,7 +206,7 @@ class Grab(Callback):
         self.grad_dtypes = {p.grad.dtype for p in params if p.grad is not None}
         self.module_grads = [p.grad for p in pl_module.parameters()]
         self.norm = plugin.last_grad_norm
-        self.expected_norm = total_norm_fp32(params)
+        self.expected_norm = float64_norm([p.grad for p in params if p.grad is not None])
 
 
 @pytest.mark.parametrize("name", list(MODES))
@@ -185,7 +219,8 @@ def test_dtypes_of_weights_grads_and_state(name):
     bf16_compute = plugin.compute == "bf16"
     assert model.seen["logits"] == (torch.bfloat16 if bf16_compute else torch.float32)
     assert grab.norm.dtype == torch.float32 and grab.norm.dim() == 0
-    assert torch.equal(grab.norm, grab.expected_norm)  # the norm of what the step uses, ready for callbacks
+    # the norm of what the step uses, ready for callbacks: fp32 (bf16 grads too) to fp32's rounding
+    assert grab.norm.item() == pytest.approx(grab.expected_norm, rel=1e-6, abs=0)
     if name == "bf16-mixed":
         assert model.fc1.weight.dtype == torch.float32 and grab.grad_dtypes == {torch.float32}
         assert state_dtypes == {"step": torch.float32, "exp_avg": torch.float32, "exp_avg_sq": torch.float32}
@@ -261,20 +296,24 @@ class Drift(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=2.5e-4)
 
 
-def test_kahan_keeps_tiny_updates_that_naive_bf16_loses():
+def test_bf16_true_masters_keep_tiny_updates_that_naive_bf16_loses():
     steps, moved = 400, 400 * 2.5e-4  # 0.1 in all
     data = torch.utils.data.DataLoader(torch.zeros(steps, 1), batch_size=1)
-    ref, naive, kahan = Drift(), Drift(), Drift()
+    ref, naive = Drift(), Drift()
     trainer(steps=steps).fit(ref, data)
     trainer(steps=steps, precision="bf16-true").fit(naive, data)  # Lightning's plain bf16 weights
-    plugin = HorizonPrecision("bf16-true", master="kahan")
-    trainer(plugin, steps=steps).fit(kahan, data)
     fp32_move = 1.0 - ref.w.double()
     assert torch.allclose(fp32_move, torch.full_like(fp32_move, moved), rtol=1e-4)
     assert (1.0 - naive.w.double()).abs().max() < 0.1 * moved  # naive bf16 lost more than 90% of the movement
-    true_w = kahan.w.double() + plugin.training_state.compensation(kahan.w).double()  # the weight Kahan carries: bf16 + compensation
-    assert ((1.0 - true_w) - fp32_move).abs().max() < 1e-2 * moved  # within 1% of fp32's movement
-    assert (kahan.w.double() - ref.w.double()).abs().max() <= 2.0**-9  # and the bf16 weight within half an ulp
+    for master, bound in (("kahan", 1e-2), ("fp32", 1e-6)):
+        plugin, model = HorizonPrecision("bf16-true", master=master), Drift()
+        trainer(plugin, steps=steps).fit(model, data)
+        assert model.w.dtype == torch.bfloat16
+        # the weight the master carries (bf16 + compensation, or the fp32 master) moved as fp32's did: Kahan
+        # within 1%, the fp32 master by the very same fp32 updates (one rounding apart at most)
+        true_w = plugin.training_state.read(model.w).double()
+        assert ((1.0 - true_w) - fp32_move).abs().max() <= bound * moved, master
+        assert (model.w.double() - ref.w.double()).abs().max() <= 2.0**-9, master  # bf16 weight: half an ulp
 
 
 def test_stochastic_state_rounding_lets_slow_averages_decay():
@@ -357,12 +396,37 @@ def test_chunked_kahan_step_is_identical_and_runs_hooks_once():
         assert torch.equal(a, b)
 
 
-def test_gradient_clipping_keeps_fp32_pre_clip_norm():
-    plugin, model = HorizonPrecision("bf16-true", master="fp32"), TinyLM()
-    tr = trainer(plugin, steps=2, gradient_clip_val=1e-3)
+class StepGrads(Callback):
+    """Per step: the gradients before the clip (callbacks run before it) and those the optimizer step used (a step
+    post-hook: torch's optimizers leave the gradients as they are, and a pre-hook may run before Lightning's
+    closure, i.e. before backward), both as the optimizer's param groups hold them."""
+
+    def __init__(self) -> None:
+        self.unclipped: list[list[torch.Tensor]] = []
+        self.used: list[list[torch.Tensor]] = []
+
+    def on_train_start(self, trainer, pl_module):
+        for opt in trainer.optimizers:
+            opt.register_step_post_hook(lambda o, *_: self.used.append(self.grads(o)))
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.unclipped.append(self.grads(optimizer))
+
+    @staticmethod
+    def grads(opt) -> list[torch.Tensor]:
+        return [p.grad.detach().clone() for g in opt.param_groups for p in g["params"] if p.grad is not None]
+
+
+@pytest.mark.parametrize("name", ["true-fp32", "true-kahan", "bf16-mixed"])
+def test_gradient_clipping_is_torchs_clip_of_the_fp32_pre_clip_norm(name):
+    plugin, model, grads = HorizonPrecision(**MODES[name]), TinyLM(), StepGrads()
+    tr = trainer(plugin, steps=2, gradient_clip_val=1e-3, callbacks=[grads])
     tr.fit(model, loader(16))
     assert plugin.last_grad_norm.dtype == torch.float32 and plugin.last_grad_norm > 1e-3
-    assert total_norm_fp32([p for g in tr.optimizers[0].param_groups for p in g["params"]]) <= 1e-3 * 1.001
+    assert len(grads.unclipped) == len(grads.used) == 2
+    assert plugin.last_grad_norm.item() == pytest.approx(float64_norm(grads.unclipped[-1]), rel=1e-6)
+    for unclipped, used in zip(grads.unclipped, grads.used):
+        assert_clipped_like_torch(used, unclipped, 1e-3)
 
 
 # ------------------------------------------------------------------------------------------------ checkpoints
@@ -408,15 +472,32 @@ def test_kahan_checkpoint_resumes_under_bf16_mixed_with_full_precision(tmp_path)
 # ------------------------------------------------------------------------------------------------ ipex
 
 
-def test_ipex_mismatch_or_absence_falls_back_with_a_message(monkeypatch):
+def _fallbacks(records: list[logging.LogRecord]) -> list[tuple[int, str]]:
+    return [(r.levelno, r.getMessage()) for r in records if "using native torch" in r.getMessage()]
+
+
+def test_ipex_absence_or_mismatch_falls_back_to_native_torch_with_a_warning(monkeypatch):
+    monkeypatch.setitem(sys.modules, "intel_extension_for_pytorch", None)  # absent (None: the import raises)
+    ipex, why = hp.ipex_status()
+    assert ipex is None and "intel_extension_for_pytorch is not installed" in why
+    model = TinyLM()
+    with precision_log() as records:
+        trainer(HorizonPrecision(backend="ipex"), steps=2).fit(model, loader(16))
+    assert _fallbacks(records) == [(logging.WARNING, f"HorizonPrecision(backend='ipex'): using native torch: {why}")]
+    assert len(model.losses) == 2  # and it trained natively
+
+    from lightning_horizon.precision.ipex import ipex_optimize
+
     fake = types.ModuleType("intel_extension_for_pytorch")
     fake.__version__ = "2.8.0+cpu"
     monkeypatch.setitem(sys.modules, "intel_extension_for_pytorch", fake)
     ipex, why = hp.ipex_status()
-    assert ipex is None and "2.8.0+cpu does not match torch" in why
-    model = TinyLM()
-    trainer(HorizonPrecision(backend="ipex"), steps=2).fit(model, loader(16))  # warns, trains natively
-    assert len(model.losses) == 2
+    assert ipex is None and f"2.8.0+cpu does not match torch {torch.__version__}" in why
+    opts = [torch.optim.SGD(model.parameters(), lr=0.1)]
+    for backend, level in (("ipex", logging.WARNING), ("auto", logging.INFO)):  # asked for: a warning
+        with precision_log() as records:
+            assert ipex_optimize(model, opts, backend, compatible=True) is opts
+        assert _fallbacks(records) == [(level, f"HorizonPrecision(backend={backend!r}): using native torch: {why}")]
 
     calls = []
     fake.__version__ = torch.__version__
@@ -477,13 +558,14 @@ class TwoOptimizers(L.LightningModule):
         self.automatic_optimization = False
         self.a, self.b = nn.Parameter(torch.ones(4)), nn.Parameter(torch.zeros(4))
         self.clip = clip
-        self.used_norms: list[float] = []
+        self.unclipped: list[list[torch.Tensor]] = []  # a's gradient before each clip
 
     def training_step(self, batch: torch.Tensor, _: int) -> None:
         opt_a, opt_b = self.optimizers()
         self.toggle_optimizer(opt_a)
         self.manual_backward(1000 * (self.a * self.b + self.a).sum() + 0 * batch.sum())
         if self.clip is not None:
+            self.unclipped.append(StepGrads.grads(opt_a))  # the optimizer's: under compute="fp32" self.a is a copy
             self.clip_gradients(opt_a, gradient_clip_val=self.clip, gradient_clip_algorithm="norm")
         opt_a.step()
         opt_a.zero_grad()
@@ -498,19 +580,6 @@ class TwoOptimizers(L.LightningModule):
         return torch.optim.SGD([self.a], lr=1e-3), torch.optim.SGD([self.b], lr=1.0)
 
 
-class UsedNorm(Callback):
-    """The norm of the gradients each optimizer step really uses (after clipping, inside the step)."""
-
-    def __init__(self) -> None:
-        self.norms: list[float] = []
-
-    def on_train_start(self, trainer, pl_module):
-        for opt in trainer.optimizers:
-            opt.register_step_pre_hook(
-                lambda o, *_: self.norms.append(float(total_norm_fp32([p for g in o.param_groups for p in g["params"]])))
-            )
-
-
 @pytest.mark.parametrize("name", ["bf16-mixed", "true-fp32-c32", "true-kahan-c32"])
 def test_manual_two_optimizers_toggle_and_zero_grad_act_on_what_backward_fills(name):
     model = TwoOptimizers()
@@ -523,11 +592,13 @@ def test_manual_two_optimizers_toggle_and_zero_grad_act_on_what_backward_fills(n
 
 @pytest.mark.parametrize("name", ["bf16-mixed", "true-fp32-c32", "true-kahan-c32"])
 def test_manual_clip_gradients_clips_what_the_step_uses(name):
-    model, used = TwoOptimizers(clip=1e-3), UsedNorm()
-    trainer(HorizonPrecision(**MODES[name]), steps=4, callbacks=[used]).fit(
+    model, grads = TwoOptimizers(clip=1e-3), StepGrads()
+    trainer(HorizonPrecision(**MODES[name]), steps=4, callbacks=[grads]).fit(
         model, torch.utils.data.DataLoader(torch.zeros(4, 1)))
-    # every step of optimizer a used a clipped gradient (unclipped: 2000 and more)
-    assert len(used.norms) == 4 and all(n <= 1e-3 * 1.01 for n in used.norms[0::2]), used.norms
+    # every step of optimizer a used torch's clip of its gradient (unclipped: 2000 and more)
+    assert len(grads.used) == 4 and len(model.unclipped) == 2
+    for unclipped, used in zip(model.unclipped, grads.used[0::2]):
+        assert_clipped_like_torch(used, unclipped, 1e-3)
 
 
 class OwnListSGD(torch.optim.Optimizer):

@@ -30,8 +30,16 @@ def test_average_goes_through_the_true_weights():
     assert torch.equal(state.read(kahan), torch.tensor([(1.0 + 2.0**-10) / 2]))
 
 
+#: the largest error of an average, relative to its size, as the true weight can hold it: the fp32 master holds
+#: the fp32 mean (one rounding, 2^-24); bf16 + Kahan compensation hold it to 2^-9 of bf16's 2^-9 rounding
+AVERAGE_RTOL = {"fp32": 2.0**-23, "kahan": 2.0**-16}
+
+
 def test_local_sgd_averages_the_masters_so_every_rank_holds_the_same_true_weights(tmp_path):
-    """Defect: the periodic average took the bf16 module weights only, and each node's master overwrote it."""
+    """Defect: the periodic average took the bf16 module weights only, and each node's master overwrote it.
+
+    After an average every rank holds the mean of the two nodes' true weights from just before it (a float64 mean,
+    to the precision the true weight holds): agreeing on node 0's weights, say, would not do."""
     run_script(REPO / "tests/scripts/true_weights_fit.py", [tmp_path / "out"], timeout=240)
     ranks = [torch.load(tmp_path / f"out.rank{r}.pt") for r in range(4)]
     for master in ("fp32", "kahan"):
@@ -42,3 +50,17 @@ def test_local_sgd_averages_the_masters_so_every_rank_holds_the_same_true_weight
                 same = all(torch.equal(a, b) for a, b in zip(steps[0][step], steps[r][step]))
                 # inside a node the ranks always agree; across nodes only after an average (steps 2 and 4)
                 assert same == (r == 1 or step % 2 == 1), (master, step, r)
+        before = [r[f"{master}_before_average"] for r in ranks]
+        assert [len(b) for b in before] == [2] * 4  # one average after step 2, one after step 4
+        for k, step in enumerate((1, 3)):
+            for i in range(len(steps[0][step])):
+                nodes = torch.stack([before[0][k][i], before[2][k][i]]).double()  # node 0's, node 1's weights
+                assert torch.equal(before[1][k][i], before[0][k][i]) and torch.equal(before[3][k][i], before[2][k][i])
+                mean = nodes.mean(0)
+                bound = AVERAGE_RTOL[master] * mean.abs() + 2.0**-23 * nodes.abs().amax(0)
+                for r in range(4):
+                    err = (steps[r][step][i].double() - mean).abs()
+                    assert (err <= bound).all(), (master, step, r, i, (err / bound).max().item())
+            spread = max((a.double() - b.double()).abs().max().item() for a, b in zip(before[0][k], before[2][k]))
+            scale = max(t.double().abs().max().item() for t in before[0][k])
+            assert spread > 100 * AVERAGE_RTOL[master] * scale, (master, step, spread)  # node 0's would fail

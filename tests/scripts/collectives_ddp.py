@@ -73,9 +73,14 @@ def grads(m: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.grad.reshape(-1) for p in m.parameters()])
 
 
-def same_on_all_ranks(t: torch.Tensor) -> bool:
+def all_ranks(t: torch.Tensor) -> list[torch.Tensor]:
     out = [torch.empty_like(t) for _ in range(WORLD)]
     dist.all_gather(out, t)
+    return out
+
+
+def same_on_all_ranks(t: torch.Tensor) -> bool:
+    out = all_ranks(t)
     return all(torch.equal(out[0], o) for o in out)
 
 
@@ -238,30 +243,47 @@ def check_training(checks: dict, groups: ProcessGroups) -> None:
             f" (first {ref[0]:.4f}): relative difference {rel:.2e}, allowed {COMPRESSED_RTOL:g}")
 
 
+def flat_weights(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
 def check_local_sgd(checks: dict, groups: ProcessGroups) -> None:
-    """sync_every=4 after 3 warm-up steps: parameters equal inside a node always, across nodes after syncs."""
+    """sync_every=4 after 3 warm-up steps: parameters equal inside a node always, across nodes after syncs, and a
+    sync leaves every rank with the mean of the nodes' weights just before it (float64 mean, fp32 rounding)."""
     model = equal_model()
     ddp, sync = wrap(model, groups, EQUAL_BUCKET_MB, algorithm="hierarchical", sync_every=4, sync_warmup_steps=3)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
-    within, across, inter_bytes, saved = [], [], [], None
+    within, across, inter_bytes, saved, mean_err, spread = [], [], [], None, {}, {}
     for it in range(15):
         x, y = batch(it, dist.get_rank())
         opt.zero_grad()
         torch.nn.functional.mse_loss(ddp(x), y).backward()
         opt.step()
+        before = all_ranks(flat_weights(model))  # the nodes' weights right before a (possible) average
         sync.after_optimizer_step()
         inter_bytes.append(mean_over_ranks([sync.accounting.last_step.inter_bytes])[0])
-        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        out = [torch.empty_like(flat) for _ in range(WORLD)]
-        dist.all_gather(out, flat)
+        out = all_ranks(flat_weights(model))
         within.append(torch.equal(out[0], out[1]) and torch.equal(out[2], out[3]))
         across.append(torch.equal(out[0], out[2]))
+        if across[-1] and it + 1 > 3:  # an average: each rank holds the mean of node 0's and node 1's weights
+            nodes = torch.stack([before[0], before[2]]).double()
+            mean = nodes.mean(0)
+            # the fp32 rounding bound: an ulp of the mean and one of the largest term (the fp32 sum's rounding)
+            bound = 2.0**-23 * (mean.abs() + nodes.abs().amax(0)) + 1e-30
+            mean_err[it + 1] = max(((o.double() - mean).abs() / bound).max().item() for o in out)
+            spread[it + 1] = (nodes[0] - nodes[1]).abs().max().item()  # > 0: the nodes had drifted apart
         if it + 1 == 9:
             saved = sync.state_dict()
     expected = [s <= 3 or (s - 3) % 4 == 0 for s in range(1, 16)]  # warm-up steps, then every 4th
     checks["local_sgd_schedule"] = result(
         all(within) and across == expected and all((b > 0) == e for b, e in zip(inter_bytes, expected)),
         f"within-node equal {within}; across-node equal {across} (expected {expected}); inter bytes {inter_bytes}",
+    )
+    checks["local_sgd_mean"] = result(
+        list(mean_err) == [7, 11, 15] and all(e <= 1.0 for e in mean_err.values())
+        and all(s > 1e-4 for s in spread.values()),
+        f"after the averages at steps {list(mean_err)} (expected [7, 11, 15]): max |w - float64 mean of the nodes'"
+        f" weights before| / fp32 rounding bound {mean_err} (allowed 1); the nodes differed by up to {spread} before",
     )
     fresh = GradientSync(CollectivesConfig("hierarchical", sync_every=4, sync_warmup_steps=3), groups, equal_model())
     fresh.load_state_dict(saved)

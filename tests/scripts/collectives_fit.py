@@ -76,21 +76,35 @@ class Observe(L.Callback):
 
 
 class Norms(L.Callback):
-    """Per optimizer step: this rank's pre-clip gradient norm (it runs before GradNormBackoff), and after the step
-    the clipped norm, what the backoff decided, and whether the weights are finite."""
+    """Per optimizer step: this rank's pre-clip gradient norm and gradients (it runs before GradNormBackoff), and
+    after the step the clipped norm, how far the clipped gradients are from torch's clip of the unclipped ones to
+    ``backoff.max_norm`` (max |g - ref| / max |ref|; None without a max_norm or with a non-finite step), what the
+    backoff decided, and whether the weights are finite."""
 
     def __init__(self, backoff: GradNormBackoff, rows: list) -> None:
-        self.backoff, self.rows, self.norm = backoff, rows, float("nan")
+        self.backoff, self.rows, self.norm, self.unclipped = backoff, rows, float("nan"), []
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        self.norm = total_norm_fp32(p for g in optimizer.param_groups for p in g["params"]).item()
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        self.norm = total_norm_fp32(params).item()
+        self.unclipped = [p.grad.detach().clone() for p in params]
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         params = [p for g in trainer.optimizers[0].param_groups for p in g["params"]]
         b = self.backoff
         self.rows.append(dict(norm=self.norm, clipped=total_norm_fp32(params).item(), world=b.last_grad_norm,
-                              scale=b.lr_scale, skipped=b.skipped_steps,
+                              scale=b.lr_scale, skipped=b.skipped_steps, clip_error=self.clip_error(params),
                               finite=all(bool(torch.isfinite(p).all()) for p in params)))
+
+    def clip_error(self, params: list) -> float | None:
+        if self.backoff.max_norm is None or any(p.grad is None for p in params):
+            return None
+        ref = [nn.Parameter(torch.empty_like(g)) for g in self.unclipped]
+        for r, g in zip(ref, self.unclipped):
+            r.grad = g.clone()
+        torch.nn.utils.clip_grad_norm_(ref, self.backoff.max_norm)
+        got, want = (torch.cat([t.reshape(-1) for t in ts]) for ts in ([p.grad for p in params], [r.grad for r in ref]))
+        return ((got - want).abs().max() / want.abs().max()).item()
 
 
 def summarize(state: dict) -> dict:

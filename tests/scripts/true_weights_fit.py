@@ -4,7 +4,7 @@ usage: python true_weights_fit.py OUT_PREFIX
 
 Every rank trains on its own data, so the nodes' weights drift apart between averages. After every optimizer
 step each rank records its TRUE weights, read through the strategy's TrainingState (the fp32 master, or the bf16
-weight + its Kahan compensation), and writes them to OUT_PREFIX.rank{R}.pt.
+weight + its Kahan compensation), and right before every average, and writes them to OUT_PREFIX.rank{R}.pt.
 """
 
 import sys
@@ -23,8 +23,21 @@ class PerRankData(TinyLM):
 
 
 class RecordTrueWeights(L.Callback):
+    """The true weights after every step, and right before every parameter average (when the strategy's
+    TrainingState.average is called: wrapped on the instance)."""
+
     def __init__(self):
-        self.steps = []
+        self.steps, self.before_average = [], []
+
+    def on_train_start(self, trainer, pl_module):
+        state = trainer.strategy.training_state
+        average = state.average
+
+        def recorded(params, allreduce_mean):
+            self.before_average.append([state.read(p) for p in pl_module.parameters()])
+            return average(params, allreduce_mean)
+
+        state.average = recorded
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         state = trainer.strategy.training_state
@@ -44,6 +57,7 @@ def main(out_prefix):
         )
         trainer.fit(model)
         out[master] = record.steps
+        out[f"{master}_before_average"] = record.before_average
     torch.save(out, f"{out_prefix}.rank{trainer.global_rank}.pt")
     trainer.strategy.barrier()  # rank 0 must not exit (and the launcher reap the others) before all have saved
 

@@ -34,7 +34,7 @@ from lightning_horizon.state import TrainingState
 from lightning_horizon.sharding import GraphSharder, ShardingConfig, resolve_sharding
 from lightning_horizon.collectives import CollectivesConfig, GradientSync
 from lightning_horizon.node_state import NodeState
-from lightning_horizon.strategy_args import ccl_available, check_arguments, check_state
+from lightning_horizon.strategy_args import ccl_available, check_arguments, check_backend_device, check_state
 from lightning_horizon.strategy_checkpoint import CheckpointParts
 from lightning_horizon.store import OutOfCore, StoreConfig, resolve_store, store_folder
 from lightning_horizon.topology import ProcessGroups, Topology, check_ranks_per_node, placement_table
@@ -229,6 +229,7 @@ class HorizonStrategy(CheckpointParts, DDPStrategy):
         # The world size is known from here on (the Trainer set devices and num_nodes): check the topology
         # before the launcher starts any process.
         check_ranks_per_node(self._ranks_per_node, self._world_size_planned)
+        check_backend_device(self._process_group_backend, self.root_device)
         self.collectives_config.grid_shape(self._world_size_planned, self._ranks_per_node or self.num_processes)
         # Lightning's launcher sets OMP_NUM_THREADS and torch's thread count, our pinning the affinity and the
         # OpenMP variables: teardown gives back what this process had before either, so that a notebook or a
@@ -369,8 +370,8 @@ class HorizonStrategy(CheckpointParts, DDPStrategy):
             self.node_state.setup(trainer, self.lightning_module, self.optimizers)
         if self.store is not None:
             self.store.setup(self.optimizers, trainer, self.precision_plugin)
-        if self._sharding is None and self.store is None and trainer.state.fn == TrainerFn.FITTING:
-            # with sharding, the first plan checks this and the activations too; the store checked its disk
+        if self.store is None and trainer.state.fn == TrainerFn.FITTING:
+            # sharding shrinks activations, not what this checks; the store checked its disk
             self._check_memory()
         if self._sharding is not None and "sharding" not in self.parts:
             # Plans at the first training_step (the first batch is what it profiles); all ranks of the node
@@ -386,7 +387,8 @@ class HorizonStrategy(CheckpointParts, DDPStrategy):
         self.parts.after_setup()
 
     def _check_memory(self) -> None:
-        """Fail at setup, on every rank, when gradients and optimizer state cannot fit (see memory/check.py)."""
+        """Fail at setup, on every rank, when gradients and optimizer state cannot fit, or a sharding budget in bytes
+        is more than the rank can have (see memory/check.py)."""
         assert self.topology is not None and self.lightning_module is not None
         node = self.node_state
         need = memory.training_memory(
@@ -394,7 +396,9 @@ class HorizonStrategy(CheckpointParts, DDPStrategy):
             owns=node.owns if node is not None else None,
             weights_shared_by=self.topology.ranks_per_node if node is not None and node.weights_mode == "shared" else 1,
         )
-        row = memory.rank_row(self.global_rank, self.topology.node_rank, self.num_processes, need)
+        sharding = self._sharding
+        row = memory.rank_row(self.global_rank, self.topology.node_rank, self.num_processes, need,
+                              sharding=sharding is not None, budget=sharding.budget_bytes if sharding else None)
         memory.check_fit(self._all_gather_objects(row))  # every rank decides alike: none is left waiting
 
     # ------------------------------------------------------------------ node-sharded state: backward and step

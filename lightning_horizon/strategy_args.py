@@ -12,6 +12,8 @@ import inspect
 from datetime import timedelta
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
@@ -36,6 +38,28 @@ def ccl_available() -> bool:
         return True
     except Exception:  # ImportError, or a binding built for another torch
         return False
+
+
+def check_backend(backend: Any) -> None:
+    """``process_group_backend`` is one of :data:`BACKENDS` (or None) and one this torch can start: else every
+    process would fail in ``init_process_group`` (torch's "Unknown backend type ccl")."""
+    require(backend is None or backend in BACKENDS, OWNER, "process_group_backend", backend,
+            f"one of {BACKENDS} or None (auto)")
+    missing = {
+        "ccl": (ccl_available, "oneccl_bindings_for_pytorch is not installed (importing it registers 'ccl')"),
+        "mpi": (dist.is_mpi_available, "torch is not built with MPI (torch.distributed.is_mpi_available() is False)"),
+        "nccl": (dist.is_nccl_available, "torch is not built with NCCL (a CUDA build; NCCL reduces GPU tensors)"),
+    }.get(backend)
+    if missing is not None and not missing[0]():
+        raise ValueError(f"{OWNER}(process_group_backend={backend!r}): {missing[1]}; use"
+                         " process_group_backend='gloo' (or None: 'ccl' where oneCCL is installed, else 'gloo')")
+
+
+def check_backend_device(backend: Any, device: torch.device) -> None:
+    """A backend that cannot reduce the tensors of ``device`` (the Trainer's accelerator): NCCL on CPU."""
+    if backend == "nccl" and device.type != "cuda":
+        raise ValueError(f"{OWNER}(process_group_backend='nccl') with the {device.type} accelerator: NCCL reduces"
+                         " CUDA tensors only; use process_group_backend='gloo' (or None)")
 
 
 def check_arguments(
@@ -71,8 +95,7 @@ def check_arguments(
     require(isinstance(pin_cores, bool), OWNER, "pin_cores", pin_cores, "True or False")
     require(checkpoint_io is None or isinstance(checkpoint_io, CheckpointIO), OWNER, "checkpoint_io", checkpoint_io,
             "a lightning CheckpointIO or None (atomic)")
-    require(process_group_backend is None or process_group_backend in BACKENDS, OWNER, "process_group_backend",
-            process_group_backend, f"one of {BACKENDS} or None (auto)")
+    check_backend(process_group_backend)
     require(threads_per_rank is None or is_int(threads_per_rank, 1), OWNER, "threads_per_rank", threads_per_rank,
             "an int >= 1 or None (one per core)")
     return float(seconds)
@@ -125,4 +148,5 @@ def check_state(
                          " replaces DDP's; use state='replicated' for a hook of your own")
 
 
-__all__ = ["BACKENDS", "STATES", "check_state", "START_METHODS", "ccl_available", "check_arguments", "check_ddp_kwargs"]
+__all__ = ["BACKENDS", "STATES", "check_state", "START_METHODS", "ccl_available", "check_arguments", "check_backend",
+           "check_backend_device", "check_ddp_kwargs"]

@@ -12,7 +12,8 @@ other ranks, as it would for the real run. The :class:`StepTimer` callback, adde
 writes rank 0's step-end times and every rank's peak RSS (``VmHWM``). A layout's speed is the median of its
 measured steps; the winner is the fastest, or, within ``--tolerance`` of it, the one with fewest ranks (each rank
 replicates the model). A layout whose memory, predicted from the most-ranked layout measured before it (per-rank
-peak x ranks), exceeds the node's free memory is refused, and a failed run is reported, not fatal. The winner is
+peak x ranks), exceeds the node's free memory is refused, and a failed run is reported, not fatal (when none ran,
+the tuner exits 1 with each one's failure; a bad flag or a missing script exits 2 before any runs). The winner is
 cached (layout_cache.py) under the workload the worker reports, where the script's automatic layout finds it
 (recipes/pretrain_gpt.py), and the table shows what the rule (layout.rule_layout) would have taken instead.
 """
@@ -36,7 +37,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_horizon import layout_cache
 from lightning_horizon.cpu import machine_busy_seconds
-from lightning_horizon.checks import check_int, is_number, require
+from lightning_horizon.checks import is_int, is_number, require
 from lightning_horizon.layout import Layout, Machine, candidates, model_sizes, rule_layout, workload
 from lightning_horizon.memory.probe import node_free_memory, peak_rss
 
@@ -51,6 +52,25 @@ def clean_env() -> dict[str, str]:
     """This process's environment as a worker starts with it: as from a clean shell (no launcher state, no thread
     counts, no layout an outer run chose)."""
     return {k: v for k, v in os.environ.items() if k not in _DROPPED_VARS}
+
+
+#: what each of the tuner's numeric settings allows: tune() and select() check their arguments against it, and the
+#: command line its flags, before anything runs
+ALLOWED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "warmup": (lambda v: is_int(v, 1), "an int >= 1"),
+    "steps": (lambda v: is_int(v, 2), "an int >= 2"),
+    "retries": (lambda v: is_int(v, 0), "an int >= 0"),
+    "timeout": (lambda v: is_number(v, 0), "a finite number of seconds > 0"),
+    "max_foreign": (lambda v: is_number(v, 0, 1, include_low=True, include_high=True), "a share in [0, 1]"),
+    "tolerance": (lambda v: is_number(v, 0, 1, include_low=True), "a number in [0, 1)"),
+    "global_batch": (lambda v: is_int(v, 1), "an int >= 1"),
+}
+LAYOUTS_ALLOWED = "'all' or comma-separated RANKSxTHREADS, e.g. '1x2,2x1'"
+
+
+def _check(owner: str, name: str, value: Any) -> None:
+    ok, allowed = ALLOWED[name]
+    require(ok(value), owner, name, value, allowed)
 
 
 class StepTimer(Callback):
@@ -128,7 +148,7 @@ class Result:
 def select(results: Sequence[Result], tolerance: float = 0.03) -> Optional[Result]:
     """The fastest ``ok`` result; any within ``tolerance`` of it with fewer ranks wins instead (less memory). None
     when nothing ran."""
-    require(is_number(tolerance, 0, 1, include_low=True), "select", "tolerance", tolerance, "a number in [0, 1)")
+    _check("select", "tolerance", tolerance)
     ok = [r for r in results if r.status == "ok"]
     if not ok:
         return None
@@ -200,12 +220,9 @@ def tune(
     that runs before it is known keeps the script's batch per rank (``main`` then reports it as another workload).
     A layout measured while other processes took more than ``max_foreign`` of the machine runs again, up to
     ``retries`` times, and the quietest run counts."""
-    check_int("tune", "warmup", warmup, 1)
-    check_int("tune", "steps", steps, 2)
-    check_int("tune", "retries", retries, 0)
-    require(is_number(timeout, 0), "tune", "timeout", timeout, "seconds > 0")
-    require(is_number(max_foreign, 0, 1, include_low=True, include_high=True), "tune", "max_foreign", max_foreign,
-            "a share in [0, 1]")
+    given = {"warmup": warmup, "steps": steps, "retries": retries, "timeout": timeout, "max_foreign": max_foreign}
+    for name, value in {**given, **({} if global_batch is None else {"global_batch": global_batch})}.items():
+        _check("tune", name, value)
     results: list[Result] = []
     order = sorted(set(layouts))
     with tempfile.TemporaryDirectory(prefix="horizon_tune_") as tmp:
@@ -291,30 +308,70 @@ def script_command(script: str, script_args: Sequence[str], steps: int,
     return command
 
 
-def main(argv: Optional[list[str]] = None) -> Optional[Result]:
+def _flag(name: str, parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An argparse ``type`` for the flag of tune()'s ``name``: parsed and checked as tune() checks it, so that a bad
+    value is argparse's usage error (``argument --flag: invalid value ...: allowed is ...``, exit 2) before
+    anything runs."""
+    ok, allowed = ALLOWED[name]
+
+    def convert(text: str) -> Any:
+        try:
+            value = parse(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"invalid value {text!r}: allowed is {allowed}")
+        return value
+
+    return convert
+
+
+def _layouts(text: str) -> Any:
+    """``--layouts``: ``"all"``, or the layouts it lists."""
+    if text.strip() == "all":
+        return "all"
+    try:
+        layouts = [Layout.parse(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        layouts = []
+    if not layouts:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: allowed is {LAYOUTS_ALLOWED}")
+    return layouts
+
+
+def _script(text: str) -> str:
+    if not os.path.exists(text):  # else every layout would fail alike, after the machine was probed
+        raise argparse.ArgumentTypeError(f"{text!r} does not exist")
+    return text
+
+
+def main(argv: Optional[list[str]] = None) -> Result:
+    """The command line (see the module's docstring): a bad flag or a missing script exits 2 before any layout runs;
+    when no layout ran, it exits 1 with each one's failure."""
     p = argparse.ArgumentParser(prog="python -m lightning_horizon.tune", description=__doc__.split("\n\n")[0],
                                 epilog="everything after SCRIPT goes to the script (LightningCLI arguments)")
-    p.add_argument("--layouts", default="all", help="'all' (this machine's candidates) or e.g. '1x2,2x1'")
-    p.add_argument("--warmup", type=int, default=2, help="steps before measuring (>= 1)")
-    p.add_argument("--steps", type=int, default=5, help="measured steps per layout (>= 2)")
-    p.add_argument("--tolerance", type=float, default=0.03,
-                   help="a layout this close to the fastest wins when it has fewer ranks")
-    p.add_argument("--timeout", type=float, default=600, help="seconds per layout")
-    p.add_argument("--max-foreign", type=float, default=0.10,
+    p.add_argument("--layouts", type=_layouts, default="all",
+                   help="'all' (this machine's candidates) or e.g. '1x2,2x1'")
+    p.add_argument("--warmup", type=_flag("warmup", int), default=2, help="steps before measuring (>= 1)")
+    p.add_argument("--steps", type=_flag("steps", int), default=5, help="measured steps per layout (>= 2)")
+    p.add_argument("--tolerance", type=_flag("tolerance", float), default=0.03,
+                   help="a layout this close to the fastest wins when it has fewer ranks (in [0, 1))")
+    p.add_argument("--timeout", type=_flag("timeout", float), default=600, help="seconds per layout (> 0)")
+    p.add_argument("--max-foreign", type=_flag("max_foreign", float), default=0.10,
                    help="run a layout again when other processes took more than this share of the machine")
-    p.add_argument("--retries", type=int, default=1, help="reruns per layout when the machine was busy")
-    p.add_argument("--batch", type=int, default=None, help="global batch (default: the script's, from a 1-rank run)")
+    p.add_argument("--retries", type=_flag("retries", int), default=1,
+                   help="reruns per layout when the machine was busy (>= 0)")
+    p.add_argument("--batch", type=_flag("global_batch", int), default=None,
+                   help="global batch (default: the script's, from a 1-rank run)")
     p.add_argument("--batch-arg", default="data.batch_size", help="the script's per-rank batch option")
     p.add_argument("--cache", default=None, help=f"cache file (default ${layout_cache.CACHE_ENV} or"
                    f" ~/.cache/lightning_horizon/layouts.json)")
     p.add_argument("--no-cache", action="store_true", help="print the winner, do not store it")
-    p.add_argument("script", help="a LightningCLI training script")
+    p.add_argument("script", type=_script, help="a LightningCLI training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER)
     a = p.parse_args(argv)
     machine = Machine.here()
-    layouts = candidates(machine.cores, machine.domains) if a.layouts == "all" else \
-        [Layout.parse(s) for s in a.layouts.split(",") if s.strip()]
-    require(bool(layouts), "tune", "--layouts", a.layouts, "'all' or comma-separated RANKSxTHREADS, e.g. '1x2,2x1'")
+    layouts = candidates(machine.cores, machine.domains) if a.layouts == "all" else a.layouts
     print(f"tune: {a.script} {' '.join(a.script_args)} | {machine.describe()} | layouts"
           f" {', '.join(map(str, sorted(layouts)))} | {a.warmup} warm-up + {a.steps} measured steps each", flush=True)
     results = tune(script_command(a.script, a.script_args, a.warmup + a.steps, a.batch_arg), layouts,
@@ -325,8 +382,9 @@ def main(argv: Optional[list[str]] = None) -> Optional[Result]:
     winner = select(results, a.tolerance)
     print(table(results, winner))
     if winner is None:
-        print("tune: no layout ran; nothing cached", file=sys.stderr)
-        return None
+        why = "".join(f"\n  {r.layout} {r.status}: {r.note}" for r in results)
+        print(f"tune: no layout ran; nothing cached:{why}", file=sys.stderr)
+        raise SystemExit(1)
     rep = winner.report
     rule, why = rule_layout(rep["param_bytes"], rep["largest_bytes"], machine, rep["workload"]["global_batch"],
                             node_free_memory())

@@ -110,3 +110,37 @@ def test_model_that_cannot_fit_fails_at_setup_with_need_and_available(monkeypatc
     # the same model with room: no error
     monkeypatch.setenv(AVAILABLE_MEMORY_ENV, str(1 << 30))
     trainer_().fit(TinyLM(), torch.utils.data.DataLoader(data(), batch_size=16))
+
+
+def test_under_sharding_the_setup_check_still_runs_and_a_budget_the_node_cannot_give_fails(monkeypatch):
+    """Sharding recomputes activations, not weights, gradients or optimizer state: the setup check runs with it too;
+    and a byte budget above what this rank can have (its resident memory + its share of the free memory) fails at
+    setup, naming the budget and what is available, instead of planning for memory that is not there."""
+    from tests.scripts.fit import TinyLM, data
+
+    def fit(sharding):
+        model = TinyLM()
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False,
+                            strategy=HorizonStrategy(threads_per_rank=1, sharding=sharding))
+        trainer.fit(model, torch.utils.data.DataLoader(data(), batch_size=16))
+        return model, trainer
+
+    monkeypatch.setenv(AVAILABLE_MEMORY_ENV, str(1 << 20))  # 1 MiB free: the gradients and AdamW's state fit
+    with pytest.raises(ValueError) as info:
+        fit(ShardingConfig(budget=1 << 50))
+    message = str(info.value)
+    assert "ShardingConfig(budget=1125899906842624)" in message and "1 PiB" not in message
+    assert "more than rank 0 (node 0) can have" in message and "1 MiB free on the node / 1 rank(s)" in message
+    assert "a fraction (e.g. budget=0.9) or None (auto)" in message, message
+
+    monkeypatch.setenv(AVAILABLE_MEMORY_ENV, "10000")  # as the check without sharding above: they cannot fit
+    for sharding in ("auto", ShardingConfig(budget=1 << 50)):
+        with pytest.raises(InsufficientMemoryError, match=r"cannot train this model, even with sharding: it needs"
+                           r" an estimated .* but 9.77 KiB is available to it") as info:
+            fit(sharding)
+    assert "sharding='auto' recomputes" not in str(info.value)
+
+    monkeypatch.setenv(AVAILABLE_MEMORY_ENV, str(1 << 30))  # room, and a byte budget within it: trains
+    model, trainer = fit(ShardingConfig(budget=current_rss() + (256 << 20), adaptive=False))
+    assert trainer.global_step == 1 and trainer.strategy.sharder.plan is not None

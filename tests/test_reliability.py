@@ -27,6 +27,7 @@ from lightning_horizon.collectives.layout import BucketLayout, Piece
 from lightning_horizon.memory import AVAILABLE_MEMORY_ENV, current_rss
 from lightning_horizon.sharding import GraphSharder, ShardingConfig
 from lightning_horizon.store import StoreConfig
+from lightning_horizon.strategy_args import ccl_available, check_backend_device
 from tests.launch import REPO, run_script
 from tests.scripts.sharding_models import LitGPT, tiny_gpt
 
@@ -59,6 +60,15 @@ BAD = [
     (S, {"timeout": NAN}, "timeout", NAN, "finite number of seconds > 0"),
     (S, {"timeout": timedelta(0)}, "timeout", timedelta(0), "finite number of seconds > 0"),
     (S, {"process_group_backend": "nccl2"}, "process_group_backend", "nccl2", "('gloo', 'ccl', 'mpi', 'nccl')"),
+    # a backend this torch cannot start: refused here, not as torch's "Unknown backend type" in every process
+    *([(S, {"process_group_backend": "ccl"}, "process_group_backend", "ccl",
+        "oneccl_bindings_for_pytorch is not installed")] if not ccl_available() else []),
+    *([(S, {"process_group_backend": "mpi"}, "process_group_backend", "mpi", "torch is not built with MPI")]
+      if not dist.is_mpi_available() else []),
+    *([(S, {"process_group_backend": "nccl"}, "process_group_backend", "nccl", "torch is not built with NCCL")]
+      if not dist.is_nccl_available() else []),
+    (S, lambda: check_backend_device("nccl", torch.device("cpu")), "process_group_backend", "nccl",
+     "NCCL reduces CUDA tensors only; use process_group_backend='gloo'"),
     (S, {"pin_cores": "yes"}, "pin_cores", "yes", "True or False"),
     (S, {"threads_per_rank": True}, "threads_per_rank", True, "int >= 1 or None"),
     (S, {"threads_per_rank": 0}, "threads_per_rank", 0, "int >= 1 or None"),

@@ -599,7 +599,7 @@ def test_recompute_runs_under_the_precision_context(master, monkeypatch):
     with pytest.raises(ValueError, match=r"recompute_context=1: must be None or a callable"):
         GraphSharder(recompute_context=1)
     runs = []
-    for sharding in (None, ShardingConfig(budget=1 << 40, adaptive=False)):
+    for sharding in (None, ShardingConfig(budget=1.0, adaptive=False)):  # the rank's whole share
         if sharding is not None:
             monkeypatch.setattr(GraphSharder, "_make_plan", recompute_all)
         L.seed_everything(0, verbose=False)
@@ -656,7 +656,7 @@ def test_recompute_sees_the_default_dtype_of_the_step(monkeypatch):
     x = torch.randint(0, 32, (8, 8), generator=g)
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.roll(-1, 1)), batch_size=4)
     runs = []
-    for sharding in (None, ShardingConfig(budget=1 << 40, adaptive=False)):
+    for sharding in (None, ShardingConfig(budget=1.0, adaptive=False)):  # the rank's whole share
         if sharding is not None:
             monkeypatch.setattr(GraphSharder, "_make_plan", recompute_blocks)
         L.seed_everything(0, verbose=False)

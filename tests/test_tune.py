@@ -17,7 +17,7 @@ import pytest
 
 from lightning_horizon import layout_cache
 from lightning_horizon.layout import Layout, Machine, candidates, model_sizes, rule_layout, workload
-from lightning_horizon.tune import Result, predict_memory, select, table, tune
+from lightning_horizon.tune import Result, main, predict_memory, select, table, tune
 from tests.launch import REPO, run_script
 
 GiB = 2**30
@@ -160,6 +160,61 @@ def test_runner_reruns_a_layout_measured_on_a_busy_machine():
     command, calls = _fake({"1 x 2": 0.1}, {}, foreign=[0.6, 0.05])
     results = tune(command, [L("1x2")], retries=2, max_foreign=0.1, progress=lambda s: None)
     assert len(calls) == 2 and results[0].foreign == pytest.approx(0.05)  # the quiet rerun counts
+
+
+# ------------------------------------------------------------------------------------------------ the command line
+
+# a script that leaves a mark when a layout runs it: the flag checks below must fail before any does
+MARKS = "import pathlib, sys; pathlib.Path(__file__).with_suffix('.ran').write_text(' '.join(sys.argv))\n"
+
+
+@pytest.mark.parametrize("flag, value, allowed", [
+    ("--tolerance", "2.0", "a number in [0, 1)"),
+    ("--tolerance", "nan", "a number in [0, 1)"),
+    ("--steps", "1", "an int >= 2"),
+    ("--steps", "2.5", "an int >= 2"),
+    ("--warmup", "0", "an int >= 1"),
+    ("--timeout", "0", "a finite number of seconds > 0"),
+    ("--timeout", "inf", "a finite number of seconds > 0"),
+    ("--max-foreign", "1.5", "a share in [0, 1]"),
+    ("--retries", "-1", "an int >= 0"),
+    ("--batch", "0", "an int >= 1"),
+    ("--layouts", "4by4", "'all' or comma-separated RANKSxTHREADS"),
+    ("--layouts", ",", "'all' or comma-separated RANKSxTHREADS"),
+])
+def test_every_flag_is_checked_before_any_layout_runs(tmp_path, capsys, flag, value, allowed):
+    script = tmp_path / "train.py"
+    script.write_text(MARKS)
+    with pytest.raises(SystemExit) as info:
+        main(["--layouts", "1x1", "--no-cache", flag, value, str(script)])
+    out, err = capsys.readouterr()
+    assert info.value.code == 2  # argparse's usage error
+    assert f"error: argument {flag}: invalid value {value!r}" in err and allowed in err, err
+    assert "Traceback" not in err and out == ""
+    assert not script.with_suffix(".ran").exists()  # no layout ran
+
+
+def test_a_missing_script_fails_before_any_layout_runs(tmp_path, capsys):
+    missing = tmp_path / "no_such_script.py"
+    with pytest.raises(SystemExit) as info:
+        main(["--layouts", "1x1", "--no-cache", str(missing), "--config", "x.yaml"])
+    out, err = capsys.readouterr()
+    assert info.value.code == 2 and f"error: argument script: {str(missing)!r} does not exist" in err, err
+    assert out == ""
+
+
+def test_when_no_layout_ran_the_exit_code_and_message_say_why(tmp_path, capsys):
+    script = tmp_path / "crashes.py"
+    script.write_text("print('loading the data', flush=True)\nraise RuntimeError('bad config: no corpus')\n")
+    cache = tmp_path / "layouts.json"
+    with pytest.raises(SystemExit) as info:
+        main(["--layouts", "1x1,2x1", "--cache", str(cache), str(script)])
+    out, err = capsys.readouterr()
+    assert info.value.code == 1
+    assert "tune: no layout ran; nothing cached" in err
+    for layout in ("1 x 1", "2 x 1"):  # each failure with its exit code and the tail of its output
+        assert f"{layout} failed: exit 1 after " in err and "RuntimeError: bad config: no corpus" in err, err
+    assert not cache.exists()
 
 
 # ------------------------------------------------------------------------------------------------ cache

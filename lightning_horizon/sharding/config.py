@@ -4,7 +4,8 @@ The budget is a whole-process figure (resident set size): the planner subtracts 
 (weights, gradients, optimizer state, the Python heap) and plans the activations into what is left. Where the
 budget comes from, in order of precedence:
 
-1. ``ShardingConfig(budget=<int>)``: that many bytes for this rank.
+1. ``ShardingConfig(budget=<int>)``: that many bytes for this rank (under HorizonStrategy, setup refuses a budget
+   above what the rank can have: its resident memory plus its share of the free memory, ``memory/check.py``).
 2. ``ShardingConfig(budget=<float in (0, 1]>)``: that fraction of this rank's fair share of the node.
 3. ``ShardingConfig(budget=None)`` / ``sharding="auto"``: ``auto_fraction`` of the fair share.
 
@@ -87,6 +88,12 @@ class ShardingConfig:
                 "allocator_overhead", overhead, "None (auto) or in [1, 10]")
         check_one_of(owner, "profile", self.profile, ("auto", "fake", "real"))
 
+    @property
+    def budget_bytes(self) -> Optional[int]:
+        """The budget when given in bytes (an ``int``: fixed for the run); ``None`` for a fraction or auto, which
+        are resolved from the node's free memory."""
+        return self.budget if isinstance(self.budget, int) else None
+
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
@@ -105,10 +112,9 @@ def resolve_sharding(sharding: object) -> Optional[ShardingConfig]:
 
 def resolve_budget(config: ShardingConfig, local_world_size: int = 1) -> int:
     """The budget in bytes for this rank, as :class:`ShardingConfig` describes."""
-    b = config.budget
-    if isinstance(b, int):
-        return b
-    fraction = config.auto_fraction if b is None else b
+    if config.budget_bytes is not None:
+        return config.budget_bytes
+    fraction = config.auto_fraction if config.budget is None else config.budget
     return int(fraction * fair_share(local_world_size))
 
 

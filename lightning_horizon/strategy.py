@@ -170,6 +170,7 @@ class HorizonStrategy(CheckpointParts, DDPStrategy):
         self.parts = Parts()
         self.parts.add("rng", RNGState())
         self._node_weights: Optional[dict[str, Any]] = None
+        self._last_node_state: Optional[NodeState] = None  # torn down; its shares are still in the optimizers
         self._reported = False
         self._training_state = TrainingState()
         self._thread_settings: Optional[cpu.ThreadSettings] = None
@@ -202,6 +203,14 @@ class HorizonStrategy(CheckpointParts, DDPStrategy):
         """The node-sharded state (owners, shared weights, gradient path) while fitting with
         ``state="node_sharded"`` on several ranks per node; ``None`` otherwise."""
         return self.parts.get("node_state")
+
+    @property
+    def node_shares(self) -> Optional[NodeState]:
+        """The node-sharded state whose shares this rank's optimizers and masters hold: the fit's, and after it the
+        last fit's (torn down, its ownership kept), so that ``trainer.save_checkpoint`` after fit still gathers
+        every share; ``None`` when no fit was node-sharded."""
+        node = self.node_state
+        return node if node is not None else self._last_node_state
 
     def comm_metrics(self) -> dict[str, float]:
         """The last step's communication figures (bytes per link class, seconds); empty without gradient sync."""
@@ -487,6 +496,7 @@ class HorizonStrategy(CheckpointParts, DDPStrategy):
     @override
     def teardown(self) -> None:
         self.parts.teardown()  # the sharder uninstalls: the module leaves fit exactly as it came in
+        self._last_node_state = self.node_shares
         self.parts.remove("node_state")  # the weights are the module's own again: validate/test run replicated
         self.parts.remove("store")
         super().teardown()

@@ -4,9 +4,11 @@ Every rank calls ``save_checkpoint``; the parts' state differs per rank (RNG, er
 to rank 0, which writes it under one key (``"HorizonStrategy"``: the world size and one dict per rank). Under local
 SGD each node's weights travel along (collectives/local_sgd.py); under node-sharded state each rank's share of the
 optimizer state and masters is gathered into the dicts a replicated run writes, or written to per-rank files
-(node_state/checkpoint.py). Loading hands each rank its own part states and, node-sharded, its own share.
+(node_state/checkpoint.py), also when ``trainer.save_checkpoint`` runs after fit (the optimizers still hold the
+shares then). Loading hands each rank its own part states and, node-sharded, its own share.
 
-The mixin reads the strategy's ``parts``, ``node_state``, ``topology``, ``nodes_diverge`` and ``_state_checkpoint``.
+The mixin reads the strategy's ``parts``, ``node_state``, ``node_shares``, ``topology``, ``nodes_diverge`` and
+``_state_checkpoint``.
 """
 
 from __future__ import annotations
@@ -35,8 +37,11 @@ class CheckpointParts:
         # Called on every rank; the parts' state differs per rank (RNG, error feedback, plans), so gather it
         # to rank 0, which writes the file.
         self.parts.before_save(self.model)  # e.g. the bucket layout the next step reduces in (collective)
-        files = self._save_node_state(checkpoint, filepath) if self.node_state is not None else 0
+        shares = self.node_shares
+        files = self._save_node_state(checkpoint, filepath, shares) if shares is not None else 0
         states = self.parts.state_dicts()
+        if shares is not None and shares is not self.node_state:
+            states["node_state"] = shares.state_dict()  # after fit: its per-rank state, as a save at the fit's end
         if self.nodes_diverge and self.topology.local_rank == 0 and self.topology.node_rank > 0:
             states[NODE_KEY] = node_state(checkpoint, type(self.precision_plugin).__qualname__)
         ranks = self._gather_objects(states)
@@ -44,13 +49,16 @@ class CheckpointParts:
             checkpoint[CHECKPOINT_KEY] = {"world_size": self.world_size, "ranks": ranks, "state_files": files}
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
-    def _save_node_state(self, checkpoint: dict[str, Any], filepath: Any) -> int:
+    def _save_node_state(self, checkpoint: dict[str, Any], filepath: Any, shares: Any) -> int:
         """Each rank holds its parameters' optimizer state and masters (node 0's ranks hold everything; the other
         nodes send nothing): gathered into rank 0's checkpoint, as one replicated run writes it, or written by
         each rank to its own file (``state_checkpoint="per_rank"``). Returns the number of such files."""
         assert self.topology is not None
         key = type(self.precision_plugin).__qualname__
-        mine = node_checkpoint.local_part(checkpoint, key) if self.topology.node_rank == 0 else None
+        mine = None
+        if self.topology.node_rank == 0:
+            names = dict(self.lightning_module.named_parameters())
+            mine = node_checkpoint.local_part(checkpoint, key, self.optimizers, names, shares.owns)
         if self._state_checkpoint == "full" or "optimizer_states" not in checkpoint:
             parts = self._gather_objects(mine)
             if parts is not None:

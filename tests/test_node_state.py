@@ -6,6 +6,10 @@ replicated run's weights and losses: equal to float64 rounding in ``64-true`` (w
 differs), within a small fraction of the weights' movement in fp32 / bf16. 1 node x 4 ranks and 2 emulated nodes x 2
 ranks at world 4, 1 node x 2 at world 2. Checkpoints are full: they load into a plain module (``strict=True``), into
 ``state="replicated"`` and into another number of ranks per node, and resume exactly in the same layout.
+
+Against Lightning's own "ddp" (tests/scripts/node_state_fit.py, one launch per world size, float64): a checkpoint
+saved after fit is the full one, an optimizer with eager state (Adagrad) saves and resumes its owners' state, and
+every clip path clips by the whole gradient's norm.
 """
 
 from __future__ import annotations
@@ -84,24 +88,29 @@ def test_setup_memory_check_counts_this_ranks_share():
     assert share["parameters"] == whole["parameters"] // 4
 
 
-def test_checkpoint_merge_and_filter():
+def test_checkpoint_merge_takes_each_owners_entry():
+    """Every rank's optimizer holds state for every parameter (Adagrad makes it in its constructor) and, after
+    ``validate``, every rank has masters for all: a share holds its owner's entries only, and the merge is the
+    owners' (stepped) state, whatever a non-owner holds."""
     a, b, c = (torch.nn.Parameter(torch.zeros(2)) for _ in range(3))
-    full = torch.optim.SGD([a, b, c], lr=0.1, momentum=0.9)
-    for p in (a, b, c):
-        p.grad = torch.ones(2)
-    full.step()
-    sd = full.state_dict()
+    owner = {a: 0, b: 1, c: 0}
+    names = {"a": a, "b": b, "c": c}
     parts = []
-    for owned in ({0, 2}, {1}):  # two ranks' shares, as a node-sharded save sees them
-        index = {id(a): 0, id(b): 1, id(c): 2}
-        mine = owned_optimizer_state(sd, [a, b, c], lambda p, o=owned: index[id(p)] in o)
-        ckpt = {"optimizer_states": [mine], "HorizonPrecision": {"masters": {f"w{i}": torch.ones(1) for i in owned}}}
-        parts.append(local_part(ckpt, "HorizonPrecision"))
-    assert sorted(parts[0]["optimizer_states"][0]) == [0, 2]
-    merged = {"optimizer_states": [dict(sd, state={})], "HorizonPrecision": {"masters": {}, "rng": {}}}
+    for rank in (0, 1):
+        opt = torch.optim.Adagrad([a, b, c], lr=0.1)
+        for p in (a, b, c):
+            p.grad = torch.ones(2) if owner[p] == rank else None
+        opt.step()
+        ckpt = {"optimizer_states": [opt.state_dict()],
+                "HorizonPrecision": {"masters": {n: torch.full((2,), float(rank)) for n in names}}}
+        parts.append(local_part(ckpt, "HorizonPrecision", [opt], names, lambda p, r=rank: owner[p] == r))
+    assert sorted(parts[0]["optimizer_states"][0]) == [0, 2] and sorted(parts[1]["optimizer_states"][0]) == [1]
+    merged = {"optimizer_states": [{"state": {}, "param_groups": []}], "HorizonPrecision": {"masters": {}, "rng": {}}}
     merge(merged, parts, "HorizonPrecision")
-    assert sorted(merged["optimizer_states"][0]["state"]) == [0, 1, 2]
-    assert sorted(merged["HorizonPrecision"]["masters"]) == ["w0", "w1", "w2"]
+    state = merged["optimizer_states"][0]["state"]
+    assert sorted(state) == [0, 1, 2] and all(float(s["step"]) == 1 for s in state.values())
+    masters = merged["HorizonPrecision"]["masters"]
+    assert {n: float(m[0]) for n, m in masters.items()} == {"a": 0.0, "b": 1.0, "c": 0.0}
     assert merged["HorizonPrecision"]["rng"] == {}  # what is not per parameter stays as rank 0 wrote it
 
 
@@ -174,9 +183,6 @@ def run(name: str, model: str, optimization: str, world: int, rpn: int, precisio
 def all_runs(work: Path) -> list[dict]:
     runs = [run(name, *case, state=state, **EXTRA.get(name, {}))
             for name, case in CASES.items() for state in ("node_sharded", "replicated")]
-    # Lightning's own norm clipping would see one rank's share of the gradient: refused at setup
-    runs.append(run("clip-32-true", "gpt", "automatic", 2, 2, FP32, None, False, False, "node_sharded",
-                    gradient_clip_val=0.05, expect_error=["gradient_clip_val=0.05", "HorizonPrecision"]))
     # checkpoints: written node-sharded 1 x 4, resumed in the same layout, in another (2 x 2) and replicated
     # (in fp32: a 64-true fit does not resume bitwise even replicated, in this harness)
     saved = run("ckpt", "gpt", "automatic", 4, 4, FP32, None, False, False, "node_sharded", save_at=SAVE_AT)
@@ -353,3 +359,174 @@ def test_state_memory_per_rank_and_node_in_fresh_processes(tmp_path):
     assert replicated >= 0.8 * 4 * 16 * params  # the replicated figure is real: everything on every rank
     assert max(growth["node_sharded"]) < min(growth["replicated"])
     assert sharded <= 0.4 * replicated, (sharded / 2**20, replicated / 2**20)
+
+
+# ---------------------------------------------------------------------------------------------- against Lightning's ddp
+
+FIT = REPO / "tests" / "scripts" / "node_state_fit.py"
+FIT_STEPS, MORE = 4, 3  # a fit of FIT_STEPS (one epoch), then resumed for MORE steps
+FP64_TRUE = "64-true"
+BF16_FP32_MASTER = {"mode": "bf16-true", "master": "fp32", "compute": "fp32"}
+
+
+def ns(rpn: int) -> dict:
+    return {"state": "node_sharded", "ranks_per_node": rpn}
+
+
+def fit_run(name: str, world: int, strategy: Any, optimizer: str = "AdamW", precision: Any = FP64_TRUE,
+            **extra: Any) -> dict:
+    return {"name": name, "world": world, "strategy": strategy, "optimizer": optimizer, "precision": precision,
+            "steps": FIT_STEPS, **extra}
+
+
+def resumed(name: str, world: int, strategy: Any, optimizer: str, work: Path, source: str) -> dict:
+    return fit_run(name, world, strategy, optimizer, steps=FIT_STEPS + MORE, epoch_steps=FIT_STEPS,
+                   resume_from=str(work / source / "after.ckpt"))
+
+
+def ddp_runs(work: Path) -> list[dict]:
+    runs = [
+        # world 4: checkpoints saved after fit (2 nodes x 2, 1 x 4; fp64 AdamW, bf16-true fp32 masters), resumed by ddp
+        fit_run("ddp-adamw", 4, "ddp"),
+        fit_run("ns22-adamw", 4, ns(2), after_fit=True),
+        fit_run("ns14-adamw", 4, ns(4)),
+        fit_run("ns22-bf16", 4, ns(2), precision=BF16_FP32_MASTER, after_fit=True),
+        *(resumed(f"ddp-from-{src}", 4, "ddp", "AdamW", work, src) for src in ("ddp-adamw", "ns22-adamw",
+                                                                                 "ns14-adamw")),
+        # across nodes: self.clip_gradients in configure_gradient_clipping
+        fit_run("ddp4-configure", 4, "ddp", "SGD", clip="configure"),
+        fit_run("ns22-configure", 4, ns(2), "SGD", clip="configure"),
+        # world 2: Adagrad (optimizer state for every parameter from its constructor on)
+        fit_run("ddp-adagrad", 2, "ddp", "Adagrad"),
+        fit_run("ns-adagrad", 2, ns(2), "Adagrad"),
+        *(resumed(f"{s}-from-{src}", 2, strategy, "Adagrad", work, src)
+          for s, strategy, src in (("ddp", "ddp", "ddp-adagrad"), ("ddp", "ddp", "ns-adagrad"),
+                                   ("ns", ns(2), "ns-adagrad"))),
+        # every clip path (SGD: a clipped gradient is a different step), against ddp clipping the same way
+        fit_run("ddp-sgd", 2, "ddp", "SGD"),
+        fit_run("ddp-norm", 2, "ddp", "SGD", clip="trainer-norm"),
+        fit_run("ns-trainer-norm", 2, ns(2), "SGD", clip="trainer-norm"),
+        fit_run("ns-configure", 2, ns(2), "SGD", clip="configure"),
+        fit_run("ddp-value", 2, "ddp", "SGD", clip="trainer-value"),
+        fit_run("ns-trainer-value", 2, ns(2), "SGD", clip="trainer-value"),
+        fit_run("ddp-manual", 2, "ddp", "SGD", manual=True, clip="manual"),
+        fit_run("ns-manual", 2, ns(2), "SGD", manual=True, clip="manual"),
+        fit_run("ns-manual-torch", 2, ns(2), "SGD", manual=True, clip="manual-torch"),
+    ]
+    return runs
+
+
+@pytest.fixture(scope="module")
+def vs_ddp(tmp_path_factory) -> dict:
+    work = tmp_path_factory.mktemp("node_state_ddp")
+    runs = ddp_runs(work)
+    for world in (4, 2):
+        cfg = work / f"w{world}.json"
+        cfg.write_text(json.dumps({"runs": [r for r in runs if r["world"] == world]}))
+        out = run_scripts([(FIT, [cfg, work], None)], timeout=900, check=False)[0]
+        assert out.returncode == 0, out.stdout[-6000:]
+    loaded: dict = {"_work": work}
+    for r in runs:
+        loaded[r["name"]] = [torch.load(work / f"{r['name']}.rank{k}.pt", weights_only=False)
+                             for k in range(r["world"])]
+    return loaded
+
+
+def ok(results: dict, name: str) -> list[dict]:
+    ranks = results[name]
+    for res in ranks:
+        assert res["error"] is None, f"{name}: {res['error']}\n{res.get('traceback', '')[-3000:]}"
+    return ranks
+
+
+def ckpt(results: dict, name: str, which: str = "after") -> dict:
+    return torch.load(results["_work"] / name / f"{which}.ckpt", weights_only=False)
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+def assert_same_state(a: dict, b: dict, rtol: float = 0.0, atol: float = 0.0) -> None:
+    """Two optimizer ``state`` dicts: the same parameters, the same keys, values within rtol/atol (0: bitwise)."""
+    assert sorted(a) == sorted(b)
+    for i in a:
+        assert sorted(a[i]) == sorted(b[i]), i
+        for key, value in a[i].items():
+            assert torch.allclose(value.double(), b[i][key].double(), rtol=rtol, atol=atol), (i, key, value,
+                                                                                               b[i][key])
+
+
+def test_checkpoint_saved_after_fit_is_full(vs_ddp):
+    """trainer.save_checkpoint after fit (2 nodes x 2 and 1 x 4) holds every parameter's optimizer state and, under
+    bf16-true, every fp32 master: the checkpoint ModelCheckpoint wrote at the fit's last step, and ddp's."""
+    ok(vs_ddp, "ddp-adamw")
+    ddp = ckpt(vs_ddp, "ddp-adamw")["optimizer_states"][0]["state"]
+    assert len(ddp) == 8
+    for name in ("ns22-adamw", "ns14-adamw"):
+        held = [set(r["opt_state"]) for r in ok(vs_ddp, name)[:2 if name == "ns22-adamw" else 4]]  # node 0's
+        assert all(held) and sum(map(len, held)) == len(set().union(*held)) == 8, held  # every rank owns a share
+        after = ckpt(vs_ddp, name)["optimizer_states"][0]["state"]
+        assert_same_state(after, ckpt(vs_ddp, name, "end")["optimizer_states"][0]["state"])
+        assert_same_state(after, ddp, rtol=1e-9, atol=1e-12)
+    # validate, test and predict after fit run, and a checkpoint saved after them is still the full one
+    for rank in ok(vs_ddp, "ns22-adamw"):
+        assert rank["evaluated"]["validate"][0]["val_loss"] > 0 and rank["evaluated"]["predict"] > 0
+    assert_same_state(ckpt(vs_ddp, "ns22-adamw", "after-eval")["optimizer_states"][0]["state"], ddp,
+                      rtol=1e-9, atol=1e-12)
+    ok(vs_ddp, "ns22-bf16")
+    end = ckpt(vs_ddp, "ns22-bf16", "end")
+    names = [n for n in end["state_dict"]]
+    for which in ("after", "after-eval"):
+        saved = ckpt(vs_ddp, "ns22-bf16", which)
+        masters = saved["HorizonPrecision"]["masters"]
+        assert sorted(masters) == sorted(names), which
+        for n in names:
+            assert torch.equal(masters[n], end["HorizonPrecision"]["masters"][n]), (which, n)
+        assert_same_state(saved["optimizer_states"][0]["state"], end["optimizer_states"][0]["state"])
+        assert saved["HorizonStrategy"]["ranks"] and all("node_state" in r for r in saved["HorizonStrategy"]["ranks"])
+    # plain ddp resumed from them ends where ddp resumed from its own checkpoint ends
+    reference = ok(vs_ddp, "ddp-from-ddp-adamw")[0]["final"]
+    for src in ("ns22-adamw", "ns14-adamw"):
+        assert max_diff(ok(vs_ddp, f"ddp-from-{src}")[0]["final"], reference) <= 1e-9, src
+
+
+def test_eager_optimizer_state_only_the_owners_counts(vs_ddp):
+    """Adagrad creates state for every parameter in its constructor: the checkpoint holds each owner's (not a
+    non-owner's never-stepped entry), and resuming, ddp or node-sharded, ends where ddp does."""
+    ddp = ckpt(vs_ddp, "ddp-adagrad")["optimizer_states"][0]["state"]
+    ok(vs_ddp, "ns-adagrad")
+    assert max_diff(vs_ddp["ns-adagrad"][0]["final"], ok(vs_ddp, "ddp-adagrad")[0]["final"]) <= 1e-9
+    for which in ("end", "after"):
+        state = ckpt(vs_ddp, "ns-adagrad", which)["optimizer_states"][0]["state"]
+        assert all(float(s["step"]) == FIT_STEPS for s in state.values())
+        assert_same_state(state, ddp, rtol=1e-9, atol=1e-12)
+    # a rank keeps the state of what it owns only: the eager state of the others is dropped at setup
+    held = [set(r["opt_state"]) for r in vs_ddp["ns-adagrad"]]
+    assert held[0] and held[1] and not held[0] & held[1] and len(held[0] | held[1]) == 8
+    reference = ok(vs_ddp, "ddp-from-ddp-adagrad")[0]["final"]
+    for name in ("ddp-from-ns-adagrad", "ns-from-ns-adagrad"):
+        for rank in ok(vs_ddp, name):
+            assert max_diff(rank["final"], reference) <= 1e-9, name
+
+
+@pytest.mark.parametrize("sharded, reference", [
+    ("ns-trainer-norm", "ddp-norm"),  # Trainer(gradient_clip_val=...), any precision plugin
+    ("ns-configure", "ddp-norm"),  # self.clip_gradients(...) in configure_gradient_clipping: the same clip
+    ("ns22-configure", "ddp4-configure"),  # 2 nodes x 2
+    ("ns-trainer-value", "ddp-value"),
+    ("ns-manual", "ddp-manual"),  # self.clip_gradients in manual optimization
+])
+def test_every_clip_path_clips_by_the_global_norm(vs_ddp, sharded, reference):
+    ref = ok(vs_ddp, reference)[0]["final"]
+    if len(vs_ddp[reference]) == 2:
+        assert max_diff(ref, ok(vs_ddp, "ddp-sgd")[0]["final"]) > 1e-3  # the reference did clip
+    for rank in ok(vs_ddp, sharded):
+        assert max_diff(rank["final"], ref) <= 1e-9
+
+
+def test_clipping_the_share_with_torch_directly_is_warned_by_name(vs_ddp):
+    warned = [w for r in ok(vs_ddp, "ns-manual-torch") for w in r["warnings"] if "clip_grad_norm_" in w]
+    assert warned and "self.clip_gradients" in warned[0], warned
+    assert not any("clip_grad_norm_" in w for r in ok(vs_ddp, "ns-manual") for w in r["warnings"])

@@ -2,8 +2,9 @@
 memory, and each local rank the owner of a share of the parameters: their gradients, optimizer state and masters.
 
 ownership.py (buckets and owners), shared_params.py (the weights in /dev/shm), reduce.py (the gradient path),
-checkpoint.py (full checkpoints in and out), optimizers.py (which optimizers can step shards), accounting.py (the
-memory table), part.py (NodeState, the strategy part that ties them together). See docs/node_state.md.
+checkpoint.py (full checkpoints in and out), optimizers.py (which optimizers can step shards), clipping.py (norm
+clipping by the whole gradient's norm), accounting.py (the memory table), part.py (NodeState, the strategy part that
+ties them together). See docs/node_state.md.
 """
 
 from lightning_horizon.node_state import checkpoint

@@ -3,6 +3,8 @@
 Each rank holds the optimizer state (and the precision policy's masters or compensations) of the parameters it owns;
 node 0's ranks together hold all of it. Saving gathers their pieces to rank 0 and merges them into exactly the dicts
 a replicated run writes: the optimizer's ``state`` keyed by parameter index, the precision state's per-name masters.
+A piece holds only the entries of the parameters its rank owns, whatever else that rank's optimizer or precision
+holds (Adagrad's constructor makes state for every parameter; after fit, ``validate`` makes masters for all).
 So a checkpoint loads into a plain module (``strict=True``), into ``state="replicated"`` and into any other layout.
 Loading keeps only what this rank owns (the rest is dropped before the optimizer allocates it).
 
@@ -28,21 +30,30 @@ from lightning_horizon.checkpoint_io import atomic_file
 PER_NAME = ("masters", "compensation")
 
 
-def local_part(checkpoint: dict[str, Any], precision_key: Optional[str]) -> dict[str, Any]:
-    """This rank's share of ``checkpoint``: its optimizers' per-parameter state and its precision masters."""
-    part: dict[str, Any] = {"optimizer_states": [s.get("state", {}) for s in checkpoint.get("optimizer_states", [])]}
+def local_part(checkpoint: dict[str, Any], precision_key: Optional[str], optimizers: list[Any],
+               names: dict[str, Tensor], owns: Callable[[Tensor], bool]) -> dict[str, Any]:
+    """This rank's share of ``checkpoint``: the per-parameter optimizer state and precision masters of the parameters
+    ``owns`` accepts. ``optimizers`` are the ones ``checkpoint["optimizer_states"]`` was taken from, ``names`` the
+    module's parameters by name."""
+    part: dict[str, Any] = {"optimizer_states": [
+        owned_optimizer_state(s, [p for g in opt.param_groups for p in g["params"]], owns)["state"]
+        for opt, s in zip(optimizers, checkpoint.get("optimizer_states", []))
+    ]}
     precision = checkpoint.get(precision_key) if precision_key else None
     if isinstance(precision, dict):
-        part["precision"] = {k: precision[k] for k in PER_NAME if isinstance(precision.get(k), dict)}
+        part["precision"] = {k: {n: v for n, v in precision[k].items() if n not in names or owns(names[n])}
+                             for k in PER_NAME if isinstance(precision.get(k), dict)}
     return part
 
 
 def merge(checkpoint: dict[str, Any], parts: list[dict[str, Any]], precision_key: Optional[str]) -> None:
-    """Fold every rank's share (``parts``, node 0's ranks) into rank 0's ``checkpoint``, in place."""
+    """Fold every rank's share (``parts``, node 0's ranks in local rank order) into rank 0's ``checkpoint``, in
+    place. An entry in several shares (a frozen parameter, every rank's) is taken from the first."""
     for i, opt_state in enumerate(checkpoint.get("optimizer_states", [])):
         merged: dict[int, Any] = {}
         for part in parts:
-            merged.update(part["optimizer_states"][i])
+            for index, state in part["optimizer_states"][i].items():
+                merged.setdefault(index, state)
         opt_state["state"] = dict(sorted(merged.items()))
     precision = checkpoint.get(precision_key) if precision_key else None
     if isinstance(precision, dict):
@@ -50,7 +61,8 @@ def merge(checkpoint: dict[str, Any], parts: list[dict[str, Any]], precision_key
             if isinstance(precision.get(key), dict):
                 merged_names: dict[str, Tensor] = {}
                 for part in parts:
-                    merged_names.update(part.get("precision", {}).get(key, {}))
+                    for name, tensor in part.get("precision", {}).get(key, {}).items():
+                        merged_names.setdefault(name, tensor)
                 precision[key] = merged_names
 
 

@@ -3,9 +3,9 @@
 It plans the buckets and their owners (ownership.py), moves the parameters into the node's shared memory
 (shared_params.py; or keeps a copy per rank that the owners update by broadcast, broadcast_params.py), installs the
 gradient path (reduce.py) and tells the training state which parameters this rank
-steps, so that the precision policy keeps masters for those only and the gradient norm is summed over the node. The
-strategy calls it around each backward and after each optimizer step; checkpoints are merged and filtered by
-checkpoint.py.
+steps, so that the precision policy keeps masters for those only and the gradient norm is summed over the node; every
+norm clipping takes that norm (clipping.py). The strategy calls it around each backward and after each optimizer step;
+checkpoints are merged and filtered by checkpoint.py, by this part's ownership, also after the fit.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from lightning_horizon.node_state.accounting import state_bytes, table
 from lightning_horizon.node_state.broadcast_params import BroadcastParameters
+from lightning_horizon.node_state.clipping import GlobalNormClip, warn_direct_clipping
 from lightning_horizon.node_state.optimizers import check_optimizers
 from lightning_horizon.node_state.ownership import Bucket, plan_buckets
 from lightning_horizon.node_state.reduce import OwnerReduce
@@ -40,6 +41,7 @@ class NodeState(Part):
         self.groups = groups
         trainable = [p for p in dict.fromkeys(module.parameters()) if p.requires_grad]
         self.buckets: list[Bucket] = plan_buckets(trainable, self.topology.ranks_per_node, cap_bytes)
+        self._owner = {p: b.owner for b in self.buckets for p in b.params}  # kept after teardown: saving after fit
         #: how the node's ranks see the owners' updates: one shared copy ("shared") or a copy each ("copies")
         self.weights_mode = weights
         self.weights: Union[SharedParameters, BroadcastParameters] = (
@@ -53,6 +55,7 @@ class NodeState(Part):
         # rank and are saved here, per rank (the checkpoint's precision state holds rank 0's)
         self._precision = precision if isinstance(precision, HorizonPrecision) else None
         self._rounding: Optional[dict[str, Any]] = None  # loaded, applied before the next optimizer step
+        self._clip: Optional[GlobalNormClip] = None
 
     def install(self) -> None:
         """Collective: every rank, at the same point of setup, before the optimizers and the precision connect."""
@@ -60,20 +63,20 @@ class NodeState(Part):
         dist.broadcast_object_list(token, src=0)
         self.weights.install(token[0])
         self.reducer = OwnerReduce(self.buckets, self.topology, self.groups.inter)
-        self.training_state.shard(self.reducer.owns, self.groups.intra)
+        self.training_state.shard(self.owns, self.groups.intra)
 
     def setup(self, trainer: Any, module: nn.Module, optimizers: list[Any]) -> None:
-        """Once the optimizers exist (every rank): optimizers it can step, a clipping that sees the whole gradient,
-        rank 0's buffers (DDP's constructor broadcasts them), the memory table."""
+        """Once the optimizers exist (every rank): optimizers it can step, holding state for this rank's parameters
+        only, a norm clipping that sees the whole gradient, rank 0's buffers (DDP's constructor broadcasts them),
+        the memory table."""
         check_optimizers(optimizers)
-        clip = getattr(trainer, "gradient_clip_val", None)
-        if clip and self._precision is None and getattr(trainer, "gradient_clip_algorithm", None) in (None, "norm"):
-            raise ValueError(
-                f"Trainer(gradient_clip_val={clip}) with HorizonStrategy(state='node_sharded') and"
-                f" {type(trainer.precision_plugin).__name__}: Lightning's norm clipping would use each rank's share of"
-                " the gradient only; pass plugins=[HorizonPrecision(...)] (its norm is summed over the shards) or clip"
-                " with GradNormBackoff(max_norm=...)"
-            )
+        for opt in optimizers:
+            opt = getattr(opt, "optimizer", opt)
+            for p in [p for p in opt.state if not self.owns(p)]:
+                del opt.state[p]  # made eagerly (Adagrad's constructor); this rank never steps it
+        self._clip = GlobalNormClip(trainer.precision_plugin, self.training_state)
+        self._clip.install()
+        warn_direct_clipping(module)
         for b in module.buffers():
             dist.broadcast(b, src=0)
         if self.topology.rank == 0:
@@ -83,7 +86,10 @@ class NodeState(Part):
             log.info(table(figures, self.topology.ranks_per_node))
 
     def owns(self, p: Tensor) -> bool:
-        return self.training_state.owns(p)
+        """Whether this rank steps ``p`` (a parameter or its master) and holds its state; a parameter outside the
+        buckets (frozen) is every rank's. Answers after teardown too (the shares a checkpoint gathers)."""
+        owner = self._owner.get(self.training_state.parameter_of(p))
+        return owner is None or owner == self.topology.local_rank
 
     def owner_loads(self) -> list[int]:
         """Bytes of parameters each local rank owns."""
@@ -135,6 +141,9 @@ class NodeState(Part):
             self.reducer = None
         self.weights.uninstall()
         self.training_state.unshard()
+        if self._clip is not None:
+            self._clip.uninstall()
+            self._clip = None
 
 
 __all__ = ["NodeState"]

@@ -65,10 +65,6 @@ class OwnerReduce:
             h.remove()
         self._hooks = []
 
-    def owns(self, p: Tensor) -> bool:
-        b = self._bucket_of.get(p)
-        return b is None or b.owner == self.topology.local_rank
-
     # ------------------------------------------------------------------ backward
 
     def pre_backward(self, sync: bool) -> None:

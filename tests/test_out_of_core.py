@@ -5,13 +5,18 @@ weights and losses of the same fit in RAM, step by step. The fits run through te
 pairs (store, RAM) over every valid pair of precision, optimization, backoff, scheduler, recompute, model and
 prefetch mode (tests/pairwise.py), at 1 rank and at 2 gloo ranks; each store fit also reports that its parameters and
 optimizer state really were the store's memory-mapped tensors. Checkpoints resume exactly, also after a SIGKILL
-(which leaves nothing in the store's folder); a full disk or an unwritable folder fails at setup; a skipped step
-leaves the store's bytes untouched; peak memory stays a layer's worth above the process, where the RAM fit holds
-the whole state.
+(which leaves nothing in the store's folder); a full disk or an unwritable folder fails at setup, and the disk
+reserved there is, to the byte, what the first step creates (the optimizer state it really keeps); the disk probe
+fits itself to the space left; fits sharing a folder, one after another or at once, each work in a subfolder of
+their own and leave the folder; gradient accumulation with parameters that get no gradient in some micro-batches is
+bitwise the RAM fit; a skipped step leaves the store's bytes untouched; peak memory stays a layer's worth above the
+process, where the RAM fit holds the whole state.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 import subprocess
@@ -32,6 +37,7 @@ from lightning_horizon.store import StateStore, StoreConfig, StoreSpaceError, re
 from lightning_horizon.store.step import StreamedStep
 from lightning_horizon.store.units import plan_units
 from tests.launch import REPO, run_scripts
+from tests.scripts.out_of_core_fits import Partial, StepsInBackward, accumulated_fit
 from tests.pairwise import all_pairs
 
 SCRIPT = REPO / "tests" / "scripts" / "composition_fit.py"
@@ -62,6 +68,7 @@ def test_units_are_the_blocks_and_shared_parameters_stay_resident():
 @pytest.mark.parametrize("kwargs, names", [
     ({"state_store": 3}, ("state_store=3", "'auto'", "StoreConfig")),
     ({"state_store": ""}, ("state_store=''",)),
+    ({"state_store": "/x\0y"}, ("state_store='/x\\x00y'", "a folder path")),
     ({"state_store": "auto", "state": "node_sharded"}, ("state_store='auto'", "state='node_sharded'", "replicated")),
 ])
 def test_refused_by_name(kwargs, names):
@@ -76,6 +83,12 @@ def test_refused_by_name(kwargs, names):
     ({"readers": 0}, ("StoreConfig(readers=0)", ">= 1")),
     ({"step": "early"}, ("StoreConfig(step='early')", "'auto'", "'in_backward'", "'after_backward'")),
     ({"path": 5}, ("StoreConfig(path=5)", "folder")),
+    ({"path": ""}, ("StoreConfig(path='')", "None", "a folder path (non-empty")),
+    ({"path": Path("/x\0y")}, ("StoreConfig(path=", "no NUL byte")),
+    ({"readers": 65}, ("StoreConfig(readers=65)", "<= 64")),
+    ({"readers": True}, ("StoreConfig(readers=True)", ">= 1")),
+    ({"probe_bytes": 4096}, ("StoreConfig(probe_bytes=4096)", "0 (no disk probe)", "1048576")),
+    ({"probe_bytes": False}, ("StoreConfig(probe_bytes=False)", "int >= 0")),
 ])
 def test_config_refused_by_name(kwargs, names):
     with pytest.raises(ValueError) as err:
@@ -373,15 +386,25 @@ def test_unwritable_folder_fails_at_setup(tmp_path):
     assert not seen.stepped
 
 
-def test_full_disk_fails_at_setup(tmp_path):
-    """A 1 MiB tmpfs cannot take the store: setup fails naming the folder and the bytes, before any step, and
-    leaves nothing in the folder (as root: mount needs it)."""
-    folder = tmp_path / "small"
+@contextlib.contextmanager
+def _small_disk(tmp_path: Path, size: str) -> Any:
+    """A folder on a tmpfs of ``size`` (as root: mount needs it), unmounted afterwards."""
+    folder = tmp_path / f"disk-{size}"
     folder.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)],
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
                                            capture_output=True).returncode != 0:
         pytest.skip("needs root to mount a small tmpfs")
     try:
+        yield folder
+    finally:
+        if subprocess.run(["umount", str(folder)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(folder)], check=False)  # busy: detached now, freed when released
+
+
+def test_full_disk_fails_at_setup(tmp_path):
+    """A 1 MiB tmpfs cannot take the store: setup fails naming the folder and the bytes, before any step, and
+    leaves nothing in the folder."""
+    with _small_disk(tmp_path, "1m") as folder:
         seen = _Before()
         sys.path.insert(0, str(REPO))
         from tests.scripts.composition_models import build
@@ -393,8 +416,71 @@ def test_full_disk_fails_at_setup(tmp_path):
         assert str(folder) in str(err.value) and "free" in str(err.value), str(err.value)
         assert not seen.stepped
         assert os.listdir(folder) == []
-    finally:
-        subprocess.run(["umount", str(folder)], check=False)
+
+
+class _Wide(L.LightningModule):
+    """Three Linear(128, 128) units (208 KiB of fp32 weights in the store) and ``optimizer``."""
+
+    def __init__(self, optimizer: Any) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(*[nn.Sequential(nn.Linear(128, 128), nn.Tanh()) for _ in range(3)], nn.Linear(128, 2))
+        self.make = optimizer
+
+    def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        return self.net(batch).square().mean()
+
+    def train_dataloader(self) -> Any:
+        return torch.utils.data.DataLoader(torch.randn(16, 128), batch_size=4)
+
+    def configure_optimizers(self) -> Any:
+        return self.make(self.parameters())
+
+
+def test_a_disk_short_of_the_optimizer_state_fails_at_setup(tmp_path):
+    """RMSprop(centered=True, momentum=0.9) keeps three state tensors per parameter: 208 KiB of weights, 208 KiB of
+    gradients and 624 KiB of state do not fit on 800 KiB, and setup says so (folder, bytes needed, bytes free, the
+    state), before any step; on 1100 KiB the fit trains."""
+    rmsprop = functools.partial(torch.optim.RMSprop, lr=0.01, centered=True, momentum=0.9)
+    with _small_disk(tmp_path, "800k") as folder:
+        seen = _Before()
+        with pytest.raises(StoreSpaceError) as err:
+            _fit(tmp_path, StoreConfig(path=str(folder), probe_bytes=0), callbacks=[seen], model=_Wide(rmsprop))
+        message = str(err.value)
+        assert not seen.stepped, message
+        assert all(s in message for s in (str(folder), "832 KiB", "free there", "RMSprop: grad_avg, momentum_buffer,"
+                                          " square_avg")), message
+        assert os.listdir(folder) == []
+    with _small_disk(tmp_path, "1100k") as folder:
+        _fit(tmp_path, StoreConfig(path=str(folder), probe_bytes=0), steps=2, model=_Wide(rmsprop))
+        assert os.listdir(folder) == []
+
+
+class _Disk(L.Callback):
+    def on_train_start(self, trainer: L.Trainer, *a: Any) -> None:
+        self.disk = trainer.strategy.store.disk
+
+
+def test_the_disk_probe_fits_itself_to_the_space_left(tmp_path):
+    """On an 8 MiB disk the default probe (2 x 128 MiB) shrinks to what is free and measures; on 2 MiB, room for the
+    store but not for the smallest probe, setup fails naming StoreConfig(probe_bytes=...), the folder and the bytes
+    free. No probe file stays behind either way."""
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    with _small_disk(tmp_path, "8m") as folder:
+        disk = _Disk()
+        _fit(tmp_path, StoreConfig(path=str(folder)), callbacks=[disk])
+        assert disk.disk is not None and disk.disk.read > 0 and disk.disk.write > 0
+        assert os.listdir(folder) == []
+    with _small_disk(tmp_path, "2m") as folder:
+        seen = _Before()
+        with pytest.raises(StoreSpaceError) as err:
+            _fit(tmp_path, StoreConfig(path=str(folder)), callbacks=[seen], model=BoringModel())
+        message = str(err.value)
+        assert not seen.stepped, message
+        assert all(s in message for s in (f"StoreConfig(probe_bytes={128 << 20})", str(folder), "free there",
+                                          "probe_bytes=0")), message
+        assert os.listdir(folder) == []
 
 
 class _NaNAt(L.Callback):
@@ -579,7 +665,9 @@ def test_resume_exact_also_after_a_kill(results):
         assert resumed["global_step"] == whole["global_step"]
         assert same(resumed["final"], whole["final"]), name  # bitwise
         assert resumed["losses"] == whole["losses"][SAVE_AT:], name
-    assert os.listdir(results["_work"] / "stores" / "killed") == []  # the killed run left no file behind
+    # the killed run left no file behind: its subfolder, empty, at most (the next fit there removes it)
+    left = list((results["_work"] / "stores" / "killed").iterdir())
+    assert len(left) <= 1 and all(d.is_dir() and not any(d.iterdir()) for d in left), left
 
 
 # ---------------------------------------------------------------------------------------------- memory
@@ -636,3 +724,212 @@ def test_units_are_pinned_as_measured_memory_allows(tmp_path):
     assert [0, 1] in pinned[:9]  # then the one before it
     assert pinned[-1] == []  # squeezed: given back
     assert trainer.strategy.store is None  # the part is gone after fit
+
+
+# ---------------------------------------------------------------------------------------------- in-process fits
+
+
+@pytest.mark.parametrize("step", ["in_backward", "after_backward"])
+@pytest.mark.parametrize("kind", ["gpt", "linear"])
+def test_accumulation_with_parameters_without_gradient_is_bitwise_the_ram_fit(tmp_path, kind, step):
+    """Gradient accumulation over 2 micro-batches, each unit with a parameter that never gets a gradient and one
+    that gets one in the first micro-batch only, the second only, or both: a unit steps once its gradients of the
+    step are complete (in the last micro-batch's backward, or after it), and the fit is the in-RAM fit, bitwise."""
+    for used_in in ((0,), (1,), (0, 1)):
+        ram, store = Partial(kind, used_in), Partial(kind, used_in)
+        want = accumulated_fit(tmp_path, ram, None)
+        steps = StepsInBackward()
+        got = accumulated_fit(tmp_path, store, StoreConfig(path=str(tmp_path / "s"), probe_bytes=0, step=step),
+                               [steps])
+        assert steps.seen == [step == "in_backward"] * 3  # the last unit (one never complete) stepped in backward
+        assert store.losses == ram.losses, used_in
+        assert all(torch.equal(want[n], got[n]) for n in want), (used_in, [n for n in want if not torch.equal(
+            want[n], got[n])])
+        assert not torch.equal(want["net.0.sometimes" if kind == "linear" else "net.blocks.0.sometimes"],
+                               torch.ones(8))  # it trained
+
+
+# ---------------------------------------------------------------------------------------------- the disk at setup
+
+
+class _Signum(torch.optim.Optimizer):
+    """A user's optimizer: an attribute of its own, read in step, and state of its own (a momentum in fp32 and a
+    0-dim counter)."""
+
+    def __init__(self, params: Any, lr: float = 0.01) -> None:
+        super().__init__(params, {"lr": lr})
+        self.beta = 0.9
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st["m"], st["n"] = torch.zeros_like(p, dtype=torch.float32), torch.zeros(())
+                st["m"].mul_(self.beta).add_(p.grad)
+                st["n"] += 1
+                p.add_(st["m"].sign(), alpha=-g["lr"])
+        return loss
+
+
+@pytest.mark.parametrize("make, per_param", [
+    (lambda ps: torch.optim.SGD(ps, lr=0.1), 0),
+    (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), 1),
+    (lambda ps: torch.optim.Adam(ps, lr=0.1), 2),
+    (lambda ps: torch.optim.Adam(ps, lr=0.1, amsgrad=True), 3),
+    (lambda ps: torch.optim.RMSprop(ps, lr=0.01, centered=True, momentum=0.9), 3),
+    (lambda ps: torch.optim.Adagrad(ps, lr=0.1), 1),  # its state exists from construction on
+    (lambda ps: torch.optim.Adafactor(ps, lr=0.1), None),  # factored: per element only for 1-D parameters
+    (lambda ps: _Signum(ps), 1),
+    (lambda ps: torch.optim.SGD([{"params": ps[:3]}, {"params": ps[3:], "momentum": 0.9}], lr=0.1), None),
+])
+def test_reserved_disk_is_what_the_first_step_creates(tmp_path, make, per_param):
+    """The disk reserved at setup is, to the byte, what the first backward and step create in the store: the
+    gradients and each per-element state tensor the optimizer really keeps (learned from a step of a copy of it);
+    learning it changes nothing of the fit (weights, state, random stream)."""
+    from lightning_horizon.store.reserve import state_kinds
+
+    ref, mod = _stack(), _stack()
+    state = TrainingState()
+    store = StateStore(str(tmp_path), plan_units(mod), "none")
+    store.install()
+    state.store = store
+    opt_ref, opt = make(list(ref.parameters())), make(list(mod.parameters()))
+    rng = torch.get_rng_state()
+    grads, reserved = store.pending(state_kinds(opt, state))
+    assert torch.equal(torch.get_rng_state(), rng) and not any(opt.state[p] for p in mod.parameters()
+                                                               if not isinstance(opt, torch.optim.Adagrad))
+    StreamedStep(opt, store, state)
+    x = torch.randn(16, 8)
+    for m, o in ((ref, opt_ref), (mod, opt)):
+        def closure(m: nn.Module = m) -> Tensor:
+            loss = m(x).square().mean()
+            loss.backward()
+            return loss
+        o.step(closure)
+    assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), mod.parameters()))
+    assert not all(torch.equal(a, b) for a, b in zip(ref.parameters(), _stack().parameters()))  # it stepped
+    made = store.nbytes()
+    assert (made["grad"], made.get("state", 0)) == (grads, reserved)
+    if per_param is not None:  # fp32 throughout: each state tensor takes what the gradients take
+        assert reserved == per_param * grads
+    store.uninstall()
+
+
+def test_a_failing_copy_step_is_refused_by_name(tmp_path):
+    from lightning_horizon.store.reserve import state_kinds
+
+    model = _stack()
+    opt = torch.optim.SparseAdam(list(model.parameters()), lr=0.1)  # dense gradients refused
+    with pytest.raises(ValueError, match="state_store: cannot learn which state SparseAdam keeps per parameter"):
+        state_kinds(opt, TrainingState())
+    assert not opt.state and all(p.grad is None for p in model.parameters())
+
+
+class _Made(L.Callback):
+    """The store's bytes of gradients and optimizer state after the first step, and what setup reserved for them."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, *a: Any) -> None:
+        part = trainer.strategy.store
+        made = part.store.nbytes()
+        self.made, self.reserved, self.kinds = (made["grad"], made.get("state", 0)), part.reserved, part.state_kinds
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "fp32", "kahan"])
+def test_reserved_disk_is_exact_with_every_precision(tmp_path, precision):
+    """fp32 masters keep their state in fp32, Kahan in bf16: what setup reserves is what the first step makes."""
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from lightning_horizon import HorizonPrecision
+
+    class Stack(BoringModel):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = _stack()  # BoringModel's step: its (32 -> 2) layer on a batch of 32 features
+            self.layer[0][0] = nn.Linear(32, 8)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=0.1)
+
+    made = _Made()
+    plugin = ({"precision": precision} if precision in ("32-true", "bf16-mixed") else
+              {"plugins": [HorizonPrecision(mode="bf16-true", master=precision, compute="fp32")]})
+    L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+              enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+              callbacks=[made], strategy=HorizonStrategy(state_store=StoreConfig(path=str(tmp_path / "s"),
+                                                                                 probe_bytes=0)),
+              **plugin).fit(Stack())
+    assert made.made == made.reserved and made.reserved[1] > made.reserved[0], (made.made, made.reserved)
+    assert made.kinds == "AdamW: exp_avg, exp_avg_sq"
+
+
+# ---------------------------------------------------------------------------------------------- a shared folder
+
+FITS = REPO / "tests" / "scripts" / "out_of_core_fits.py"
+
+
+def test_fits_sharing_a_folder_one_after_another(tmp_path):
+    """Two fits with the same ``StoreConfig(path=...)``, a folder the user made: each trains as in RAM, works in a
+    subfolder of its own and removes it; the user's folder and the user's file in it stay."""
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    want = accumulated_fit(tmp_path, Partial("linear", (0, 1), unused=False), None)
+    for i in range(2):
+        got = accumulated_fit(tmp_path, Partial("linear", (0, 1), unused=False),
+                              StoreConfig(path=str(folder), probe_bytes=0))
+        assert all(torch.equal(want[n], got[n]) for n in want), i
+        assert folder.is_dir() and os.listdir(folder) == ([] if i == 0 else ["notes.txt"]), i
+        (folder / "notes.txt").write_text("mine")
+    assert (folder / "notes.txt").read_text() == "mine"
+
+
+def test_fits_sharing_a_folder_at_once(tmp_path):
+    """Two processes' fits in one folder at the same time: the first tears down (at its first batch, the second's
+    store is set up) while the second waits at its first batch, then the second trains. Both train as in RAM; the
+    folder stays."""
+    folder, sync = tmp_path / "shared", tmp_path / "sync"
+    folder.mkdir()
+    sync.mkdir()
+    outs = {role: tmp_path / f"{role}.pt" for role in ("first", "second")}
+    done = run_scripts([(FITS, [folder, role, sync, out], {"OMP_NUM_THREADS": "1"}) for role, out in outs.items()],
+                       timeout=300, check=False)
+    assert all(d.returncode == 0 for d in done), "\n".join(d.stdout[-3000:] for d in done)
+    want = accumulated_fit(tmp_path, Partial("linear", (0, 1), unused=False), None)
+    for role, out in outs.items():
+        got = torch.load(out, weights_only=False)
+        assert got["error"] is None, f"{role}: {got['error']}"
+        assert all(torch.equal(want[n], got["weights"][n]) for n in want), role
+    assert folder.is_dir() and os.listdir(folder) == []
+
+
+def test_a_crashed_fits_subfolder_is_swept_by_the_next(tmp_path):
+    """A fit that died (its lock gone with its process) leaves an empty subfolder at most, or a file a crash caught
+    before its unlink: the next fit in the folder on this host removes them; a live fit's subfolder, another host's
+    and the user's own folders and files stay."""
+    from lightning_horizon.store.folder import FitFolder
+
+    parent = tmp_path / "store"
+    dead, live = FitFolder(str(parent), 0), FitFolder(str(parent), 1)
+    Path(dead.path, "unit0-grad-1.bin").write_bytes(b"x")
+    os.close(dead._fd)  # what the kernel does when the process dies
+    for name in ("horizon-otherhost-rank0-abc", "user"):
+        (parent / name).mkdir()
+    (parent / "user.txt").write_text("")
+    new = FitFolder(str(parent), 0)
+    assert sorted(os.listdir(parent)) == sorted(["horizon-otherhost-rank0-abc", "user", "user.txt",
+                                                 os.path.basename(live.path), os.path.basename(new.path)])
+    assert new.created == [] and Path(new.path).parent == parent
+    for f in (new, live):
+        f.remove()
+    assert sorted(os.listdir(parent)) == ["horizon-otherhost-rank0-abc", "user", "user.txt"]
+    made = FitFolder(str(tmp_path / "a" / "b"), 0)  # the store makes what is missing and removes it after
+    assert made.created == [str(tmp_path / "a"), str(tmp_path / "a" / "b")]
+    made.remove()
+    assert not (tmp_path / "a").exists()

@@ -2,7 +2,8 @@
 
 from lightning_horizon.store.config import StoreConfig, resolve_store
 from lightning_horizon.store.files import StoreSpaceError
-from lightning_horizon.store.part import OutOfCore, store_folder
+from lightning_horizon.store.folder import store_folder
+from lightning_horizon.store.part import OutOfCore
 from lightning_horizon.store.store import StateStore
 
 __all__ = ["OutOfCore", "StateStore", "StoreConfig", "StoreSpaceError", "resolve_store", "store_folder"]

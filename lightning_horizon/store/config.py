@@ -6,10 +6,12 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from lightning_horizon.checks import check_int, check_one_of, require
+from lightning_horizon.checks import check_one_of, is_int, require
 
 PREFETCH = ("read", "readahead", "none")
 STEP = ("auto", "in_backward", "after_backward")
+MAX_READERS = 64
+MIN_PROBE = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -18,7 +20,8 @@ class StoreConfig:
     by layer (see docs/out_of_core.md)."""
 
     path: Optional[str] = None
-    """The folder of the store (each rank creates its files there, unlinked at once: nothing is left behind).
+    """The folder of the store: each fit and rank works in a subfolder of its own there (its files unlinked at once),
+    removed at teardown; the folder and anything else in it stay, so fits may share it (store/folder.py).
     ``None``: next to the checkpoints (the ModelCheckpoint's ``dirpath``, else the Trainer's ``default_root_dir``),
     in ``horizon-store/``. Put it on a local disk (NVMe), not on a network file system or in ``/dev/shm``."""
 
@@ -31,7 +34,7 @@ class StoreConfig:
     readers: int = 2
     """Reading threads of a ``"read"`` prefetch; each reads a share of the next layer's bytes, so the disk sees that
     many requests at once (measured on a 2-core VM's disk: 2 readers 1.2-1.3x one, under training compute). More
-    for a disk that wants a deeper queue (NVMe arrays)."""
+    for a disk that wants a deeper queue (NVMe arrays); at most ``MAX_READERS`` (64)."""
 
     step: str = "auto"
     """When each layer's optimizer step runs: ``"in_backward"`` (as soon as the layer's gradients are complete, while
@@ -43,15 +46,28 @@ class StoreConfig:
 
     probe_bytes: int = 128 << 20
     """Bytes written and read back at setup to measure the folder's disk bandwidth (logged with the plan
-    table); 0 skips the probe."""
+    table), in two files of this size, after the store's own space is reserved: where less is free the probe
+    shrinks to what is (down to 1 MiB; below that setup fails, naming this field). 0 skips the probe; else at
+    least 1 MiB."""
 
     def __post_init__(self) -> None:
-        require(self.path is None or isinstance(self.path, (str, os.PathLike)), "StoreConfig", "path", self.path,
-                "None (next to the checkpoints) or a folder path")
+        require(self.path is None or _folder_path(self.path), "StoreConfig", "path", self.path,
+                "None (next to the checkpoints) or a folder path (non-empty, a str or os.PathLike, no NUL byte)")
         check_one_of("StoreConfig", "prefetch", self.prefetch, PREFETCH)
-        check_int("StoreConfig", "readers", self.readers, 1)
+        require(is_int(self.readers, 1) and self.readers <= MAX_READERS, "StoreConfig", "readers", self.readers,
+                f"an int >= 1 and <= {MAX_READERS} (reading threads)")
         check_one_of("StoreConfig", "step", self.step, STEP)
-        check_int("StoreConfig", "probe_bytes", self.probe_bytes, 0, " (0: no disk probe)")
+        require(is_int(self.probe_bytes) and (self.probe_bytes == 0 or self.probe_bytes >= MIN_PROBE), "StoreConfig",
+                "probe_bytes", self.probe_bytes, f"an int >= 0: 0 (no disk probe) or at least {MIN_PROBE} (1 MiB:"
+                " a smaller probe measures the page cache, not the disk)")
+
+
+def _folder_path(value: Any) -> bool:
+    """A str or os.PathLike naming a folder: not empty, no NUL byte (the OS refuses those only at the first use)."""
+    if not isinstance(value, (str, os.PathLike)):
+        return False
+    path = os.fspath(value)
+    return isinstance(path, str) and path != "" and "\0" not in path
 
 
 def resolve_store(value: Any) -> Optional[StoreConfig]:
@@ -61,9 +77,9 @@ def resolve_store(value: Any) -> Optional[StoreConfig]:
         return value
     if value == "auto":
         return StoreConfig()
-    require(isinstance(value, (str, os.PathLike)) and str(value) != "", "HorizonStrategy", "state_store", value,
+    require(_folder_path(value), "HorizonStrategy", "state_store", value,
             "None, 'auto' (next to the checkpoints), a folder path or a StoreConfig(...)")
     return StoreConfig(path=os.fspath(value))
 
 
-__all__ = ["PREFETCH", "STEP", "StoreConfig", "resolve_store"]
+__all__ = ["MAX_READERS", "MIN_PROBE", "PREFETCH", "STEP", "StoreConfig", "resolve_store"]

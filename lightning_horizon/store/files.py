@@ -172,7 +172,7 @@ class MappedFile:
 class Reservation:
     """Disk space held in an unlinked file until :meth:`take` hands it, piece by piece, to the files it was for."""
 
-    def __init__(self, folder: str, nbytes: int) -> None:
+    def __init__(self, folder: str, nbytes: int, what: str) -> None:
         path = os.path.join(folder, f"reserve-{os.getpid()}")
         self.nbytes = 0
         self.fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -182,9 +182,9 @@ class Reservation:
         except OSError as e:
             os.close(self.fd)
             raise StoreSpaceError(
-                e.errno, f"state_store: {folder} cannot take the {fmt_bytes(nbytes)} that the gradients and the"
-                f" optimizer state will need ({e.strerror}; {fmt_bytes(disk_free(folder))} free there): free space"
-                " or pass another folder (HorizonStrategy(state_store=StoreConfig(path=...)))"
+                e.errno, f"state_store: {folder} cannot take the {fmt_bytes(nbytes)} ({nbytes} bytes) that {what}"
+                f" will need ({e.strerror}; {fmt_bytes(disk_free(folder))} free there): free space or pass another"
+                " folder (HorizonStrategy(state_store=StoreConfig(path=...)))"
             ) from e
         self.nbytes = nbytes
 

@@ -1,27 +1,27 @@
 """OutOfCore: ``HorizonStrategy(state_store=...)`` on one rank, a strategy part.
 
-It plans the units (units.py), creates the store and moves the weights in (store.py) before the optimizers and
-the precision plugin exist, so that masters and optimizer state are born into it; once the optimizers exist it
-reserves the disk for what the first step creates, measures the disk, replaces each optimizer's step by the
-layer-by-layer one (step.py) and logs the plan table. After every optimizer step it reads what went to and from
-the disk (``/proc/self/io``). Teardown gives the parameters private memory back.
+It plans the units (units.py), creates the fit's subfolder (folder.py) and the store and moves the weights in
+(store.py) before the optimizers and the precision plugin exist, so that masters and optimizer state are born into
+it; once the optimizers exist it reserves the disk for what the first step creates (the gradients and the state the
+optimizers keep, reserve.py), measures the disk, replaces each optimizer's step by the layer-by-layer one (step.py)
+and logs the plan table. After every optimizer step it reads what went to and from the disk (``/proc/self/io``).
+Teardown gives the parameters private memory back and removes the subfolder.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, Callable, Optional
 
 from torch import nn
 
-from lightning_horizon.memory.estimate import state_tensors
 from lightning_horizon.memory.probe import fmt_bytes
 from lightning_horizon.parts import Part
 from lightning_horizon.state import TrainingState
 from lightning_horizon.store.config import StoreConfig
-from lightning_horizon.store.files import StoreSpaceError
-from lightning_horizon.store.probe import DiskBandwidth, disk_bandwidth
+from lightning_horizon.store.folder import FitFolder
+from lightning_horizon.store.probe import DiskBandwidth, disk_bandwidth, probe_size
+from lightning_horizon.store.reserve import describe, merge, state_kinds
 from lightning_horizon.store.step import StreamedStep, backward_step_conflicts
 from lightning_horizon.store.store import StateStore, io_counters
 from lightning_horizon.store.units import plan_units
@@ -31,15 +31,6 @@ log = logging.getLogger(__name__)
 #: units' weights are pinned while the measured peak plus twice the next unit's weights stays below this fraction
 #: of the sharding budget (the sharder re-plans above its headroom, 0.95 by default)
 PIN_BELOW = 0.85
-
-
-def store_folder(config: StoreConfig, trainer: Any) -> str:
-    """The folder the store goes in: ``config.path``, else ``horizon-store/`` next to the checkpoints."""
-    if config.path is not None:
-        return os.fspath(config.path)
-    ckpt = getattr(trainer, "checkpoint_callback", None) if trainer is not None else None
-    base = getattr(ckpt, "dirpath", None) or getattr(trainer, "default_root_dir", None) or os.getcwd()
-    return os.path.join(base, "horizon-store")
 
 
 class OutOfCore(Part):
@@ -54,7 +45,11 @@ class OutOfCore(Part):
         self.training_state = training_state
         self.rank = rank
         self.store: Optional[StateStore] = None
-        self.folder: Optional[str] = None
+        self._folder: Optional[FitFolder] = None
+        self.folder: Optional[str] = None  # this fit's subfolder, where the files are
+        self.state_kinds = ""  # the per-element state each optimizer keeps, as learned at setup
+        #: disk bytes reserved at setup for the gradients and the optimizer state the first step creates
+        self.reserved: tuple[int, int] = (0, 0)
         self.disk: Optional[DiskBandwidth] = None  # measured at setup
         self._steps: list[StreamedStep] = []
         self._load_hooks: list[Any] = []
@@ -69,16 +64,16 @@ class OutOfCore(Part):
         self._reads: dict[str, tuple[float, float]] = {}
 
     def install(self, module: nn.Module, folder: str) -> None:
-        """Before the optimizers and the precision plugin connect: the weights move into the store."""
+        """Before the optimizers and the precision plugin connect: the weights move into the store, in a subfolder of
+        ``folder`` of this fit's own (store/folder.py)."""
+        self._folder = FitFolder(folder, self.rank)
+        self.folder = self._folder.path
+        self.store = StateStore(self.folder, plan_units(module), self.config.prefetch, self.config.readers)
         try:
-            os.makedirs(folder, exist_ok=True)
-        except OSError as e:
-            raise StoreSpaceError(e.errno, f"state_store: cannot create the folder {folder}: {e.strerror}") from e
-        if not os.access(folder, os.W_OK | os.X_OK):
-            raise StoreSpaceError(13, f"state_store: the folder {folder} is not writable by this process")
-        self.folder = folder
-        self.store = StateStore(folder, plan_units(module), self.config.prefetch, self.config.readers)
-        self.store.install()
+            self.store.install()
+        except BaseException:  # the part is not in the fit yet: no teardown will come for it
+            self.teardown()
+            raise
         self.training_state.store = self.store
 
     def setup(self, optimizers: list[Any], trainer: Any, precision: Any) -> None:
@@ -93,12 +88,18 @@ class OutOfCore(Part):
         self.in_backward = self.config.step != "after_backward" and not conflicts
         self.step_reason = ("" if self.in_backward else
                             "asked for" if self.config.step == "after_backward" else "; ".join(conflicts))
-        params = [p for u in store.units for p in u.params]
-        grads = sum(p.numel() * p.element_size() for p in params)
-        state = sum(state_tensors(opt) for opt in optimizers) * sum(4 * p.numel() for p in params)
-        store.reserve(grads + state)
+        # the disk for what the first backward and step create: gradients, and the state this optimizer keeps
+        kinds = merge([state_kinds(opt, self.training_state) for opt in optimizers])
+        self.state_kinds = describe(optimizers, kinds)
+        grads, state = store.pending(kinds)
+        self.reserved = (grads, state)
+        store.reserve(grads + state, f"the gradients and the optimizer state ({self.state_kinds})")
         if self.config.probe_bytes:
-            self.disk = disk_bandwidth(self.folder, self.config.probe_bytes)
+            size = probe_size(self.folder, self.config.probe_bytes)
+            if size < self.config.probe_bytes and self.rank == 0:
+                log.info(f"state_store: the disk probe writes 2 x {fmt_bytes(size)}, not the asked"
+                         f" 2 x {fmt_bytes(self.config.probe_bytes)}: what {self.folder} has room for")
+            self.disk = disk_bandwidth(self.folder, size)
         for opt in optimizers:
             opt = getattr(opt, "optimizer", opt)
             self._steps.append(StreamedStep(opt, store, self.training_state, self.in_backward))
@@ -132,7 +133,7 @@ class OutOfCore(Part):
             f"  resident: {len(resident.params)} parameters, {fmt_bytes(resident.nbytes)} of weights (used by the"
             " modules outside the units: embeddings, head); their gradients and state are streamed",
             f"  store: weights {fmt_bytes(weights)}, masters/compensation {fmt_bytes(extra)};"
-            f" reserved for gradients {fmt_bytes(grads)} and optimizer state ~{fmt_bytes(state)}",
+            f" reserved for gradients {fmt_bytes(grads)} and optimizer state {fmt_bytes(state)} ({self.state_kinds})",
             f"  per optimizer step (estimate): read {fmt_bytes(read)}, written {fmt_bytes(written)}; a gradient norm"
             f" reads {fmt_bytes(grads)} more, a clip reads and writes {fmt_bytes(grads)} more",
             "  step: " + ("in backward, each unit as soon as its gradients are complete (its weights and gradients"
@@ -216,11 +217,9 @@ class OutOfCore(Part):
             self.store.uninstall()
             self.store = None
         self.training_state.store = None
-        if self.folder is not None:
-            try:
-                os.rmdir(self.folder)  # empty: every file was unlinked at creation
-            except OSError:
-                pass
+        if self._folder is not None:
+            self._folder.remove()  # empty: every file was unlinked at creation
+            self._folder = None
 
 
-__all__ = ["OutOfCore", "store_folder"]
+__all__ = ["OutOfCore"]

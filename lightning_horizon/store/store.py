@@ -13,8 +13,9 @@ between uses; :class:`StateStore` moves a layer's pages in (prefetch, on its rea
 - forward: a unit's weights are prefetched when the previous unit starts, and unmapped when it has run (the last
   unit stays: its backward comes next);
 - backward: a unit's gradients go into the store as they are accumulated (over last step's, discarded unread);
-  when the unit is complete it steps (:attr:`unit_ready`, when the step runs in backward), its weights and
-  gradients leave memory and the unit before it is prefetched (with its state, when it will step);
+  when the unit is complete (every parameter of it that this backward reaches has its gradient) it steps
+  (:attr:`unit_ready`, set by the step in backward for the step's last micro-batch), its weights and gradients
+  leave memory and the unit before it is prefetched (with its state, when it will step);
 - the gradient norm, clipping and the fp32 masters' copy-back walk the gradients layer by layer (:meth:`stream`);
 - the optimizer step runs layer by layer (store/step.py), in or after backward, reading and writing each layer's
   state once.
@@ -31,6 +32,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 from torch import Tensor
+from torch.autograd.graph import get_gradient_edge
 
 from lightning_horizon.precision.policy import per_element
 from lightning_horizon.store.files import PAGE, READ_CHUNK, MappedFile, Reservation, align
@@ -72,7 +74,8 @@ class StateStore:
         self._files: dict[tuple[int, str], MappedFile] = {}
         self._views: dict[tuple[int, str], Tensor] = {}
         self._dirty: set[tuple[int, str]] = set()
-        self._ready: dict[int, int] = {}  # unit index -> parameters whose gradient arrived in this backward
+        #: per backward (autograd graph task) under way: unit index -> [gradients due in it, gradients arrived]
+        self._backwards: dict[int, dict[int, list[int]]] = {}
         #: called with a unit whose gradients are all in, before it leaves memory (the step in backward, step.py)
         self.unit_ready: Optional[Callable[[Unit], None]] = None
         #: streamed units whose weights stay mapped, as measured memory allows (OutOfCore decides)
@@ -97,21 +100,35 @@ class StateStore:
         self._reserve: Optional[Reservation] = None
         self._hooks: list[Any] = []
 
-    def reserve(self, nbytes: int) -> None:
-        """Hold ``nbytes`` of disk now for what the first backward and step will create (gradients, optimizer state):
-        a full disk fails here, at setup, not in the middle of a step."""
-        self._reserve = Reservation(self.folder, nbytes)
+    def reserve(self, nbytes: int, what: str) -> None:
+        """Hold ``nbytes`` of disk now for what the first backward and step will create (``what``: gradients,
+        optimizer state; :meth:`pending`): a full disk fails here, at setup, not in the middle of a step."""
+        self._reserve = Reservation(self.folder, nbytes, what)
 
     # ------------------------------------------------------------------ placement
+
+    def pending(self, state_kinds: dict[int, set[tuple[str, torch.dtype]]]) -> tuple[int, int]:
+        """Disk bytes of the files that the first backward and step will create and that do not exist yet: one for
+        each unit's gradients, and one for each kind of per-element optimizer state a parameter of the unit will
+        have (``state_kinds``: by parameter id, (state key, dtype) pairs, as store/reserve.py learns them). Returns
+        (gradients, optimizer state)."""
+        grads = state = 0
+        for u in self.units:
+            if not u.params:
+                continue
+            if (u.index, GRAD) not in self._files:  # gradients in the parameters' dtype (the widest of the unit)
+                grads += file_bytes(u, max((p.dtype for p in u.params), key=lambda d: d.itemsize))
+            kinds = {state_kind(k, d): d for p in u.params for k, d in state_kinds.get(id(p), ())}
+            state += sum(file_bytes(u, d) for kind, d in kinds.items() if (u.index, kind) not in self._files)
+        return grads, state
 
     def file(self, unit: Unit, kind: str, dtype: torch.dtype) -> MappedFile:
         key = (unit.index, kind)
         f = self._files.get(key)
         if f is None:
-            size = torch.empty((), dtype=dtype).element_size()
-            nbytes = sum(-(-p.numel() * size // 64) * 64 for p in unit.params)
+            nbytes = file_bytes(unit, dtype)
             if self._reserve is not None:
-                self._reserve.take(align(nbytes))  # the reserved space becomes this file's
+                self._reserve.take(nbytes)  # the reserved space becomes this file's
             f = self._files[key] = MappedFile(self.folder, f"unit{unit.index}-{kind}-{os.getpid()}.bin", nbytes)
         return f
 
@@ -151,8 +168,8 @@ class StateStore:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_arrived))
 
     def new_step(self) -> None:
-        """A step boundary: gradients counted from here on belong to the next backward."""
-        self._ready.clear()
+        """A step boundary: no backward of the last step is under way any more."""
+        self._backwards.clear()
 
     @torch.no_grad()
     def after_step(self, optimizer: Any, params: Iterable[Tensor], parameter_of: Callable[[Tensor], Tensor]) -> None:
@@ -167,7 +184,7 @@ class StateStore:
             st = optimizer.state.get(x) or {}
             for k, value in list(st.items()):
                 if per_element(k, value, x):
-                    st[k] = self.place(p, f"state.{k}.{str(value.dtype).removeprefix('torch.')}", value)
+                    st[k] = self.place(p, state_kind(k, value.dtype), value)
             u = self.unit_of[id(p)]
             touched[u.index] = u
         for u in touched.values():
@@ -176,18 +193,35 @@ class StateStore:
 
     # ------------------------------------------------------------------ gradients (backward)
 
+    def _due(self) -> dict[int, list[int]]:
+        """The counts of the backward under way, made at its first gradient: per unit, the parameters whose gradient
+        this backward will deliver (autograd runs their AccumulateGrad nodes: what torch's ``register_multi_grad_hook``
+        asks too). A parameter outside this backward's graph (never used, or not in this micro-batch) is not waited
+        for; its gradient, when an earlier micro-batch left one, steps with the unit."""
+        task = torch._C._current_graph_task_id()
+        counts = self._backwards.get(task)
+        if counts is None:
+            will_run = torch._C._will_engine_execute_node
+            counts = self._backwards[task] = {
+                u.index: [sum(p.requires_grad and will_run(get_gradient_edge(p).node) for p in u.params), 0]
+                for u in self.units}
+        return counts
+
     def _grad_arrived(self, p: Tensor) -> None:
         if p.grad is None:
             return
         u = self.unit_of[id(p)]
-        if u.index not in self._ready:
+        counts = self._due()
+        due = counts[u.index]
+        if due[1] == 0:
             self._discard_dead_grads(u)
         p.grad = self.place(p, GRAD, p.grad)
-        n = self._ready.get(u.index, 0) + 1
-        if n < len(u.params):
-            self._ready[u.index] = n
+        due[1] += 1
+        if due[1] != due[0]:
             return
-        self._ready.pop(u.index, None)
+        # complete in this backward (it steps, when this is the step's last micro-batch)
+        if all(arrived >= n for n, arrived in counts.values()):
+            self._backwards.pop(torch._C._current_graph_task_id(), None)
         if u.streamed:  # the unit whose backward comes next (after unit 0: the resident one, its weights mapped)
             nxt = self.units[u.index - 1] if u.index > 0 else self.units[-1]
             if self.unit_ready is not None:  # it steps in backward too: its state comes with its weights
@@ -388,6 +422,17 @@ class StateStore:
             f.close()
 
 
+def state_kind(key: str, dtype: torch.dtype) -> str:
+    """The kind of the store's file for the per-element optimizer state ``key`` in ``dtype``."""
+    return f"state.{key}.{str(dtype).removeprefix('torch.')}"
+
+
+def file_bytes(unit: Unit, dtype: torch.dtype) -> int:
+    """The disk bytes of ``unit``'s file of one kind in ``dtype``: every parameter's tensor 64-byte aligned, whole
+    pages."""
+    return align(max(sum(-(-p.numel() * dtype.itemsize // 64) * 64 for p in unit.params), 1))
+
+
 def split(files: list[MappedFile], n: int) -> list[list[tuple[MappedFile, int, int]]]:
     """``files``' bytes in at most ``n`` contiguous shares of about equal size (whole pages), each a list of
     (file, start, end) ranges."""
@@ -407,4 +452,4 @@ def split(files: list[MappedFile], n: int) -> list[list[tuple[MappedFile, int, i
     return [p for p in parts if p]
 
 
-__all__ = ["StateStore", "split", "WEIGHT", "GRAD", "io_counters"]
+__all__ = ["StateStore", "split", "state_kind", "file_bytes", "WEIGHT", "GRAD", "io_counters"]

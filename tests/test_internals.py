@@ -97,3 +97,21 @@ def test_fake_tensor_and_dispatch_internals_of_the_sharding_profile():
 
 def test_distributed_is_available():
     assert dist.is_available()
+
+
+def test_will_engine_execute_node_tells_which_parameters_get_a_gradient():
+    """The store counts, per backward, only the parameters whose AccumulateGrad node this backward runs."""
+    from torch.autograd.graph import get_gradient_edge
+
+    used, unused = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    seen = {}
+
+    def hook(_):
+        seen["used"] = torch._C._will_engine_execute_node(get_gradient_edge(used).node)
+        seen["unused"] = torch._C._will_engine_execute_node(get_gradient_edge(unused).node)
+
+    unused.sum()  # an AccumulateGrad node exists, outside this backward's graph
+    y = used * 2
+    y.register_hook(hook)
+    y.sum().backward()
+    assert seen == {"used": True, "unused": False}

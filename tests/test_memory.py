@@ -16,6 +16,7 @@ from lightning_horizon.memory import (
     node_free_memory,
     optimizer_state_pending,
     probe,
+    training_memory,
     reset_peak_rss,
 )
 from lightning_horizon.sharding import GraphSharder, ShardingConfig, resolve_budget
@@ -78,10 +79,84 @@ def test_optimizer_state_pending_counts_the_state_each_optimizer_will_allocate()
     assert optimizer_state_pending([torch.optim.SGD([w], lr=0.1, momentum=0.9)]) == 40
     assert optimizer_state_pending([torch.optim.RMSprop([w])]) == 40
     adam = torch.optim.AdamW([w])
-    assert optimizer_state_pending([adam, torch.optim.Adam([w])]) == 80  # a parameter is counted once
+    assert optimizer_state_pending([adam, torch.optim.Adam([w])]) == 160  # each optimizer keeps its own moments
     w.grad = torch.ones(10)
     adam.step()
     assert optimizer_state_pending([adam]) == 0  # allocated now: nothing pending
+
+
+class _AdamWithPrevious(torch.optim.Adam):
+    """A user's subclass: keeps the previous weights too, a per-element state no class name tells of."""
+
+    def step(self, closure=None):  # type: ignore[no-untyped-def]
+        previous = {p: p.detach().clone() for g in self.param_groups for p in g["params"] if p.grad is not None}
+        loss = super().step(closure)
+        for p, w in previous.items():
+            self.state[p]["previous"] = w
+        return loss
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.RMSprop(ps, lr=0.01, centered=True, momentum=0.9),  # square_avg, grad_avg, momentum
+    lambda ps: torch.optim.Adam(ps, lr=0.1, amsgrad=True),  # exp_avg, exp_avg_sq, max_exp_avg_sq
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0),  # none
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),  # momentum_buffer
+    lambda ps: torch.optim.SGD([{"params": ps[:2]}, {"params": ps[2:], "momentum": 0.9}], lr=0.1),  # per group
+    lambda ps: torch.optim.Adagrad(ps, lr=0.1),  # sum, made at construction
+    lambda ps: _AdamWithPrevious(ps, lr=0.1),  # Adam's two moments and the subclass's own
+], ids=["rmsprop-centered-momentum", "adam-amsgrad", "sgd", "sgd-momentum", "sgd-momentum-per-group", "adagrad",
+        "adam-subclass"])
+def test_optimizer_state_pending_is_what_a_real_step_creates(make):
+    """Held now plus pending is, to the byte, the per-element state the optimizer holds after a real step: whatever
+    the class, its groups' settings or a subclass's code; a frozen parameter gets none."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Linear(4, 2))
+    model[1].bias.requires_grad_(False)
+    opt = make(list(model.parameters()))
+
+    def held() -> int:  # the moments and buffers (one entry per element); not the scalar step counters
+        return sum(v.nbytes for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)
+                   and v.dim() > 0)
+
+    before, pending = held(), optimizer_state_pending([opt])
+    model(torch.randn(3, 6)).square().sum().backward()
+    opt.step()
+    assert before + pending == held()
+
+
+def test_an_optimizer_that_cannot_step_a_copy_is_estimated_with_a_warning():
+    w = torch.nn.Parameter(torch.zeros(10))
+    with pytest.warns(UserWarning, match="cannot learn which state SparseAdam keeps .* counts 2 tensors"):
+        assert optimizer_state_pending([torch.optim.SparseAdam([w])]) == 80  # dense gradients refused by its step
+
+
+class _RecordState(L.Callback):
+    """The setup check's estimate of the optimizer state (before the first step) and the state after it."""
+
+    def on_train_start(self, trainer, pl_module):
+        self.estimated = training_memory(pl_module, trainer.optimizers, trainer.precision_plugin)["optimizer_state"]
+
+    def on_train_batch_end(self, trainer, *args):
+        self.held = sum(v.nbytes for opt in trainer.optimizers for st in opt.state.values() for v in st.values()
+                        if isinstance(v, torch.Tensor) and v.dim() > 0)
+
+
+@pytest.mark.parametrize("precision", [None, ("bf16-true", "fp32"), ("bf16-true", "kahan")])
+def test_the_setup_check_counts_the_state_in_the_dtype_the_precision_keeps_it(precision):
+    """fp32 masters keep AdamW's moments in fp32 (8 bytes per bf16 weight's 2), Kahan in bf16: the setup check's
+    estimate is the bytes the first step makes."""
+    from lightning_horizon import HorizonPrecision
+    from tests.scripts.fit import TinyLM, data
+
+    record = _RecordState()
+    plugins = [HorizonPrecision(precision[0], master=precision[1], compute="fp32")] if precision else []
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=HorizonStrategy(threads_per_rank=1), max_steps=1,
+                        plugins=plugins, callbacks=[record], logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    model = TinyLM()
+    trainer.fit(model, torch.utils.data.DataLoader(data(), batch_size=16))
+    params = sum(p.numel() for p in model.parameters())
+    assert record.estimated == record.held == params * (8 if precision in (None, ("bf16-true", "fp32")) else 4)
 
 
 # ---------------------------------------------------------------------- the fit check

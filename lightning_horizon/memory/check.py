@@ -37,7 +37,7 @@ def training_memory(
     copy per node, ``weights_shared_by`` ranks: this rank's share is counted."""
     held = held_bytes(module, optimizers, precision)
     grads = gradients_pending(optimizers, owns)
-    state = optimizer_state_pending(optimizers, owns)
+    state = optimizer_state_pending(optimizers, owns, getattr(precision, "training_state", None))
     return {"parameters": held["weights"] // weights_shared_by + held["master"], "gradients": grads,
             "optimizer_state": state, "pending": grads + state}
 

@@ -4,42 +4,60 @@
 ``bytes_per_param`` is its analytic counterpart per precision mode. torch allocates gradients at the first
 backward and optimizer state at the first step, so at setup (the fit check) and before the first plan (the
 sharder) they are not resident yet: ``optimizer_state_pending`` and ``gradients_pending`` foresee them from the
-module's parameters and the optimizers.
+module's parameters and the optimizers; the optimizer state is what a step of a copy of each optimizer creates
+(``optimizer_state.py``), not a guess from its class.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+import warnings
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from lightning_horizon.memory.optimizer_state import OptimizerStateUnknown, StateKinds, state_kinds
 
-def state_tensors(optimizer: Any) -> int:
-    """Per-element state tensors ``optimizer`` keeps per parameter: 2 for the Adam family (two moments), 1 for SGD
-    with momentum and RMSprop, 0 for plain SGD, 2 for anything else (a conservative guess that a first re-plan
-    corrects)."""
+if TYPE_CHECKING:
+    from lightning_horizon.state import TrainingState
+
+#: per-element state tensors counted, like its parameters, for an optimizer that cannot step a copy of itself
+UNKNOWN_STATE_TENSORS = 2
+
+
+def _kinds(opt: Optimizer, training_state: Optional[TrainingState]) -> StateKinds:
+    try:
+        return state_kinds(opt, training_state)
+    except OptimizerStateUnknown as e:  # an estimate, not a refusal: the fit itself may well run
+        warnings.warn(f"{e}: the memory estimate counts {UNKNOWN_STATE_TENSORS} tensors like each parameter for"
+                      " its state", stacklevel=3)
+        return {id(p): set() if opt.state.get(p) else {(f"state{i}", p.dtype) for i in range(UNKNOWN_STATE_TENSORS)}
+                for g in opt.param_groups for p in g["params"] if p.requires_grad}
+
+
+def state_tensors(optimizer: Any, training_state: Optional[TrainingState] = None) -> int:
+    """Per-element state tensors ``optimizer`` keeps per parameter after a step (the most any of its parameters
+    keeps), as a step of a copy of it shows: 2 for Adam, 3 with amsgrad, 0 for SGD without momentum."""
     opt = getattr(optimizer, "optimizer", optimizer)  # LightningOptimizer wraps the torch one
-    name = type(opt).__name__
-    if name == "SGD":
-        return 1 if any(g.get("momentum", 0) for g in opt.param_groups) else 0
-    return 1 if name == "RMSprop" else 2
+    return max(map(len, _kinds(opt, training_state).values()), default=0)
 
 
-def optimizer_state_pending(optimizers: Any, owns: Optional[Callable[[Tensor], bool]] = None) -> int:
-    """Bytes of optimizer state not allocated yet (torch optimizers allocate it lazily, at their first step):
-    :func:`state_tensors` per parameter byte, for the parameters this rank steps (``owns``; all by default)."""
-    total, seen = 0, set()
-    for opt in optimizers or ():
-        opt = getattr(opt, "optimizer", opt)
-        factor = state_tensors(opt)
-        for group in opt.param_groups:
-            for p in group["params"]:
-                if id(p) in seen or opt.state.get(p) or (owns is not None and not owns(p)):
-                    continue
-                seen.add(id(p))
-                total += factor * p.numel() * p.element_size()
+def optimizer_state_pending(optimizers: Any, owns: Optional[Callable[[Tensor], bool]] = None,
+                            training_state: Optional[TrainingState] = None) -> int:
+    """Bytes of optimizer state not allocated yet (torch optimizers allocate it lazily, at their first step): each
+    per-element state tensor a step of each optimizer creates and it does not hold yet, in the dtype it will have
+    (``training_state``'s masters step in fp32), for the parameters this rank steps (``owns``; all by default). A
+    parameter in two optimizers has the state of both."""
+    total = 0
+    for optimizer in optimizers or ():
+        opt = getattr(optimizer, "optimizer", optimizer)
+        kinds = _kinds(opt, training_state)
+        for p in dict.fromkeys(p for g in opt.param_groups for p in g["params"]):
+            if owns is not None and not owns(p):
+                continue
+            held = opt.state.get(p, {})
+            total += sum(p.numel() * dtype.itemsize for key, dtype in kinds.get(id(p), ()) if key not in held)
     return total
 
 
@@ -56,8 +74,6 @@ def gradients_pending(optimizers: Any, owns: Optional[Callable[[Tensor], bool]] 
                     seen.add(id(p))
                     total += p.numel() * p.element_size()
     return total
-
-
 
 
 def held_bytes(module: Module, optimizers: list[Optimizer], precision: Any = None) -> dict[str, int]:

@@ -1,0 +1,380 @@
+"""The space the differential tester draws from: ``draw(seed, world)`` is one example, a JSON-able dict of choices.
+
+An example is what a user writes (a LightningModule's habits, an optimizer and a schedule, a lifecycle of
+checkpoints, resumes and evaluations) and how it is trained (HorizonStrategy + precision). ``constrain`` makes the
+choices mean something together (generator constraints: values that are meaningless together are never drawn);
+``refusal`` says whether the library refuses the example by design (``REFUSED``: such an example must raise at
+construction or setup, naming both options). docs/composition.md ("The differential tester") has the tables.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+from typing import Any, Callable, Optional
+
+# ------------------------------------------------------------------------------------------------ the choices
+
+MODEL_KINDS = ("zoo", "transformer", "boring")  # zoo: ours (tokens, blocks); Lightning's demo Transformer, BoringModel
+MODEL_FLAGS = ("tied", "frozen", "never", "sometimes", "batchnorm", "dropout", "groups")
+
+#: torch.optim, every class with state a user would pick, each with the variants that change its state or arithmetic
+OPTIMIZERS: dict[str, list[dict]] = {
+    "SGD": [{"lr": 0.1}, {"lr": 0.1, "momentum": 0.9}, {"lr": 0.05, "momentum": 0.9, "nesterov": True,
+            "weight_decay": 0.01}, {"lr": 0.1, "momentum": 0.9, "dampening": 0.1}, {"lr": 0.1, "momentum": 0.9,
+                                                                                  "fused": True}],
+    "Adam": [{"lr": 1e-2}, {"lr": 1e-2, "amsgrad": True, "weight_decay": 0.01}, {"lr": 1e-2, "foreach": True},
+             {"lr": 1e-2, "fused": True}],
+    "AdamW": [{"lr": 1e-2, "weight_decay": 0.1}, {"lr": 1e-2, "amsgrad": True}, {"lr": 1e-2, "fused": True}],
+    "Adamax": [{"lr": 2e-2}, {"lr": 2e-2, "weight_decay": 0.01}],
+    "Adagrad": [{"lr": 0.1}, {"lr": 0.1, "initial_accumulator_value": 0.1, "lr_decay": 0.01}],
+    "Adadelta": [{"lr": 1.0}, {"lr": 1.0, "rho": 0.8, "weight_decay": 0.01}],
+    "RMSprop": [{"lr": 1e-2}, {"lr": 1e-2, "centered": True, "momentum": 0.9}],
+    "Rprop": [{"lr": 1e-2}],
+    "NAdam": [{"lr": 1e-2}, {"lr": 1e-2, "decoupled_weight_decay": True, "weight_decay": 0.01}],
+    "RAdam": [{"lr": 1e-2}, {"lr": 1e-2, "decoupled_weight_decay": True, "weight_decay": 0.01}],
+    "ASGD": [{"lr": 1e-2, "t0": 1}],
+    "Adafactor": [{"lr": 1e-2}],
+    "LBFGS": [{"lr": 0.5, "max_iter": 3, "history_size": 4}],
+    "UserAdam": [{"lr": 1e-2}],  # a user's subclass of Adam (tests/differential/models.py)
+}
+SECOND_OPTIMIZERS = {"SGD": {"lr": 0.1, "momentum": 0.9}, "AdamW": {"lr": 1e-2, "weight_decay": 0.01}}
+SCHEDULERS = (None, "StepLR", "LambdaLR", "OneCycleLR", "CosineAnnealingLR", "ExponentialLR", "LinearLR",
+              "MultiStepLR", "CosineAnnealingWarmRestarts", "CyclicLR", "ReduceLROnPlateau")
+PRECISIONS = ("64-true", "32-true", "bf16-mixed", "bf16-true+fp32", "bf16-true+kahan")
+STORE_STEPS = ("auto", "in_backward", "after_backward")
+EVAL_KINDS = ("validate", "test", "predict")
+#: where a resumed fit runs: as the fit that wrote the checkpoint, on one rank, replicated (from node_sharded), in RAM
+#: (from a store)
+RESUME_LAYOUTS = ("same", "world1", "replicated", "ram")
+EPOCH_STEPS = 2  # training steps per epoch: the mid-fit checkpoint at step 2 is an epoch boundary (exact resume)
+
+
+#: optimizers whose step does not shrink with the gradient: Rprop steps by its sign, Adafactor normalizes it by its
+#: own running RMS with an epsilon of (float eps)^2 (and Adagrad from a zero accumulator, with an epsilon of 1e-10)
+NOISE_TO_STEP = ("Rprop", "Adafactor")
+
+
+def _pick(rng: random.Random, weighted: dict) -> Any:
+    values = list(weighted)
+    return values[rng.choices(range(len(values)), weights=list(weighted.values()))[0]]
+
+
+def draw(seed: int, world: int) -> dict:
+    """The example of ``seed`` at ``world`` ranks: deterministic (``random.Random`` seeded by a string)."""
+    rng = random.Random(f"differential-{seed}-{world}")
+    coin = lambda p: rng.random() < p  # noqa: E731
+    rpn = {1: 1, 2: _pick(rng, {1: 1, 2: 2}), 4: _pick(rng, {2: 3, 4: 1})}[world]
+    kind = _pick(rng, {"zoo": 6, "transformer": 2, "boring": 1})
+    model = {"kind": kind, **{f: coin(p) for f, p in (("tied", 0.35), ("frozen", 0.3), ("never", 0.3),
+                                                       ("sometimes", 0.3), ("batchnorm", 0.3), ("dropout", 0.3),
+                                                       ("groups", 0.35))}}
+    name = rng.choice(list(OPTIMIZERS))
+    optimization = _pick(rng, {"automatic": 4, "manual": 1})
+    ex: dict = {
+        "seed": seed,
+        "world": world,
+        "rpn": rpn,
+        "model": model,
+        "optimizer": {"name": name, "kwargs": rng.choice(OPTIMIZERS[name])},
+        "second": rng.choice(list(SECOND_OPTIMIZERS)),  # manual optimization's second optimizer
+        "scheduler": ({"name": s, "interval": rng.choice(("step", "epoch"))}
+                      if (s := rng.choice(SCHEDULERS)) is not None and coin(0.7) else None),
+        "optimization": optimization,
+        "accumulate": _pick(rng, {1: 3, 2: 2}),
+        "clip": ({"where": rng.choice(("trainer", "hook", "manual")), "algorithm": _pick(rng, {"norm": 3, "value": 1}),
+                  "value": rng.choice((0.05, 1e3))} if coin(0.4) else None),
+        "skip_batch": rng.choice((0, 1)) if coin(0.15) else None,
+        "validate": coin(0.3),
+        "ckpt_during": coin(0.5),
+        "save_after": coin(0.5),
+        "resume": ({"from": rng.choice(("during", "after")), "layout": rng.choice(RESUME_LAYOUTS)}
+                   if coin(0.45) else None),
+        "eval": {"kind": rng.choice(EVAL_KINDS), "from": rng.choice(("during", "after"))} if coin(0.3) else None,
+        "state": _pick(rng, {"replicated": 1, "node_sharded": 1}) if rpn > 1 else _pick(rng, {"replicated": 9,
+                                                                                             "node_sharded": 1}),
+        "store": ({"step": rng.choice(STORE_STEPS), "prefetch": rng.choice(("read", "readahead", "none"))}
+                  if coin(0.3) else None),
+        "sharding": _pick(rng, {None: 6, "auto": 1, "forced": 2}),
+        "collectives": rng.choice(("flat", "hierarchical")) if (world == 4 and rpn == 2) else "flat",
+        # 512 B: several buckets (owners) even for a tiny model; 1 MiB: one bucket, all of it on one owner
+        "bucket_mb": _pick(rng, {0.0005: 3, 1.0: 1}),
+        "backoff": {"max_norm": rng.choice((0.05, 10.0, None))} if coin(0.25) else None,
+        "precision": _pick(rng, {"64-true": 5, "32-true": 2, "bf16-mixed": 1, "bf16-true+fp32": 1,
+                                 "bf16-true+kahan": 1}),
+        "steps": _pick(rng, {4: 4, 2: 1}),
+    }
+    keep_refused = coin(0.25)
+    ex = constrain(ex)
+    if refusal(ex) is not None and not keep_refused:
+        ex = unrefuse(ex)
+    return ex
+
+
+def simplest(world: int = 1, seed: int = 0) -> dict:
+    """The example every dimension of which is at its simplest value (where shrinking ends)."""
+    return {"seed": seed, "world": world, "rpn": 1,
+            "model": {"kind": "zoo", **{f: False for f in MODEL_FLAGS}},
+            "optimizer": {"name": "SGD", "kwargs": OPTIMIZERS["SGD"][0]}, "second": "SGD", "scheduler": None,
+            "optimization": "automatic", "accumulate": 1, "clip": None, "skip_batch": None, "validate": False,
+            "ckpt_during": False, "save_after": False, "resume": None, "eval": None, "state": "replicated",
+            "store": None, "sharding": None, "collectives": "flat", "bucket_mb": 1.0, "backoff": None,
+            "precision": "64-true", "steps": 2}
+
+
+def refused_examples() -> list[dict]:
+    """One example per entry of ``REFUSED``, on top of the simplest one."""
+    base = simplest()
+    sharded = {"world": 2, "rpn": 2, "state": "node_sharded", "bucket_mb": 0.0005}
+    out = [
+        {**base, **sharded, "store": {"step": "auto", "prefetch": "read"}},
+        {**base, **sharded, "optimizer": {"name": "LBFGS", "kwargs": OPTIMIZERS["LBFGS"][0]}},
+        {**base, "optimizer": {"name": "LBFGS", "kwargs": OPTIMIZERS["LBFGS"][0]}, "precision": "bf16-true+fp32",
+         "sharding": "auto"},
+        {**base, "store": {"step": "in_backward", "prefetch": "read"}, "backoff": {"max_norm": 1.0}},
+    ]
+    assert [refusal(ex)[0] for ex in out] == [r[0] for r in REFUSED]
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ constraints
+
+
+def constrain(ex: dict) -> dict:
+    """Make the choices mean something together (deterministic; applied again after every shrinking step).
+
+    These are not refusals: a value that cannot matter (hierarchical collectives on one node), a combination that
+    Lightning itself refuses (gradient accumulation or Trainer clipping under manual optimization), or one without a
+    promise to compare against (each rule says which).
+    """
+    ex = copy.deepcopy(ex)
+    m = ex["model"]
+    world, rpn = ex["world"], ex["rpn"]
+    ex["rpn"] = rpn = min(rpn, world)
+    if ex["collectives"] != "flat" and not (world == 4 and rpn == 2):
+        ex["collectives"] = "flat"  # hierarchical needs 2 nodes of 2 ranks
+    if m["kind"] != "zoo":
+        m["tied"] = m["batchnorm"] = False  # the demo models have no such layers
+    if m["kind"] == "boring":
+        m["dropout"] = False
+    name = ex["optimizer"]["name"]
+    if ex["optimization"] == "manual":
+        ex["accumulate"] = 1  # Lightning: no automatic accumulation under manual optimization
+        ex["skip_batch"] = None  # a skipped batch is automatic optimization's
+        if ex["clip"] and ex["clip"]["where"] != "manual":
+            ex["clip"]["where"] = "manual"  # Lightning: no Trainer clipping under manual optimization
+        if name == "LBFGS":
+            ex["optimizer"] = {"name": "SGD", "kwargs": OPTIMIZERS["SGD"][1]}  # LBFGS needs Lightning's closure
+    elif ex["clip"] and ex["clip"]["where"] == "manual":
+        ex["clip"]["where"] = "hook"
+    if ex["optimizer"]["name"] == "LBFGS":
+        ex["skip_batch"] = None  # LBFGS needs a loss from every closure
+    o = ex["optimizer"]
+    noise_to_step = o["name"] in NOISE_TO_STEP or (o["name"] == "Adagrad" and not o["kwargs"].get(
+        "initial_accumulator_value"))
+    if noise_to_step and (m["kind"] == "transformer" or m["batchnorm"]):
+        # the demo Transformer's attention key biases, and the biases before a BatchNorm, have gradients that are
+        # rounding noise (mathematically 0); another summation order draws other noise, which these optimizers
+        # turn into steps of full size: no reference to compare with
+        ex["optimizer"] = {"name": "Adam", "kwargs": OPTIMIZERS["Adam"][0]}
+    if ex["skip_batch"] is not None and world > 1:
+        ex["skip_batch"] = None  # Lightning: "Skipping the training_step ... in distributed training is not supported"
+    if ex["steps"] < 2 * EPOCH_STEPS:
+        ex["ckpt_during"] = False  # the mid-fit checkpoint is at the end of the first of two epochs
+    for use in ("resume", "eval"):
+        u = ex[use]
+        if u is None:
+            continue
+        if u["from"] == "during" and not ex["ckpt_during"]:
+            if ex["steps"] >= 2 * EPOCH_STEPS:
+                ex["ckpt_during"] = True
+            else:
+                u["from"] = "after"
+        if u["from"] == "after" and not ex["save_after"]:
+            ex["save_after"] = True
+    r = ex["resume"]
+    if r is not None:
+        if r["layout"] == "world1" and world == 1:
+            r["layout"] = "same"
+        if r["layout"] == "replicated" and not (ex["state"] == "node_sharded" and rpn > 1):
+            r["layout"] = "same"
+        if r["layout"] == "ram" and ex["store"] is None:
+            r["layout"] = "same"
+    # every example is compared with a reference the docs make a promise about: the same fit without a capability
+    # documented as bit for bit (twin), or Lightning's "ddp" in float64 (1e-9). Where neither exists, float64.
+    if not twin_changes(ex) and ex["precision"] != "64-true":
+        ex["precision"] = "64-true"
+    if ex["resume"] is not None and ex["resume"]["layout"] in ("world1", "replicated"):
+        # one rank against two trains other batches (compared with "ddp" resumed alike); node_sharded against
+        # replicated differs by float64 rounding only
+        ex["precision"] = "64-true"
+    if resumed_against_ddp(ex):
+        # "ddp" does not restore the RNG states on resume (strategy.md), HorizonStrategy does: dropout masks differ
+        m["dropout"] = False
+    return ex
+
+
+# ------------------------------------------------------------------------------------------------ refusals
+
+#: Combinations refused by design: (name, predicate, phrases the error must contain (both sides), when, the doc
+#: that says so). An example matching one runs alone and must raise then; a message missing a phrase, an error at
+#: another time, or training on, is a finding.
+Refusal = tuple[str, Callable[[dict], bool], Callable[[dict], list[str]], str, str]
+
+
+def _sharded(ex: dict) -> bool:
+    return ex["state"] == "node_sharded" and ex["rpn"] > 1
+
+
+def _in_backward_conflicts(ex: dict) -> list[str]:
+    """What keeps a store's step out of backward (store/step.py's backward_step_conflicts, from the example)."""
+    out = []
+    if ex["optimization"] == "manual":
+        out += ["2 optimizers", "manual optimization"]
+    if ex["world"] > 1:
+        out.append(f"{ex['world']} ranks")
+    clip = ex["clip"]
+    if clip and clip["where"] == "trainer":
+        out.append(f"gradient_clip_val={clip['value']}")
+    if clip and clip["where"] == "hook":
+        out.append("configure_gradient_clipping")
+    if ex["precision"].startswith("bf16-true"):
+        out.append("mode='bf16-true'")
+    if ex["backoff"] is not None:
+        out.append("GradNormBackoff.on_before_optimizer_step")
+    return out
+
+
+REFUSED: list[Refusal] = [
+    ("store with node_sharded", lambda ex: ex["store"] is not None and ex["state"] == "node_sharded",
+     lambda ex: ["state_store=", "state='node_sharded'"], "construction", "out_of_core.md"),
+    ("node_sharded with LBFGS", lambda ex: _sharded(ex) and ex["optimizer"]["name"] == "LBFGS",
+     lambda ex: ["state='node_sharded'", "LBFGS"], "setup", "node_state.md"),
+    ("bf16-true with LBFGS", lambda ex: ex["precision"].startswith("bf16-true") and ex["optimizer"]["name"] == "LBFGS",
+     lambda ex: ["mode='bf16-true'", "LBFGS"], "setup", "precision.md"),
+    ("store step in backward with what needs the whole gradient",
+     lambda ex: ex["store"] is not None and ex["store"]["step"] == "in_backward" and bool(_in_backward_conflicts(ex)),
+     lambda ex: ["step='in_backward'", *_in_backward_conflicts(ex)], "setup", "out_of_core.md"),
+]
+
+
+def refusal(ex: dict) -> Optional[tuple[str, list[str], str]]:
+    """(name, phrases, when) of the first refusal ``ex`` matches, or None."""
+    for name, when, phrases, at, _doc in REFUSED:
+        if when(ex):
+            return name, phrases(ex), at
+    return None
+
+
+def unrefuse(ex: dict) -> dict:
+    """The example with the refused combination resolved towards what trains (one side of the pair dropped)."""
+    ex = copy.deepcopy(ex)
+    for _ in range(len(REFUSED)):
+        hit = refusal(ex)
+        if hit is None:
+            break
+        name = hit[0]
+        if name == "store with node_sharded":
+            ex["state"] = "replicated"
+        elif "LBFGS" in name:
+            ex["optimizer"] = {"name": "SGD", "kwargs": OPTIMIZERS["SGD"][1]}
+        else:
+            ex["store"]["step"] = "auto"
+        ex = constrain(ex)
+    return ex
+
+
+# ------------------------------------------------------------------------------------------------ references
+
+
+def twin_changes(ex: dict) -> dict:
+    """What the bit-for-bit twin changes: the capabilities the docs promise are the same bits as without them
+    (out_of_core.md: a store = RAM; sharding.md / composition.md 2a: recompute = none; composition.md 2b:
+    bf16-mixed with fp32 compute = 32-true; node_state.md: one rank per node is replicated)."""
+    out: dict = {}
+    if ex["store"] is not None:
+        out["store"] = None
+    if ex["sharding"] is not None:
+        out["sharding"] = None
+    if ex["state"] == "node_sharded" and ex["rpn"] == 1:
+        out["state"] = "replicated"
+    if ex["precision"] == "bf16-mixed":
+        twin = {**ex, **out, "precision": "32-true"}
+        if refusal(twin) is None:
+            out["precision"] = "32-true"
+    return out
+
+
+#: optimizers with floating-point scalar state besides "step" (NAdam's mu_product, ASGD's eta and mu), created in
+#: the default dtype: torch's Optimizer.load_state_dict casts it to the parameter's dtype, so under float64 a
+#: resumed fit computes with it in float64 where the uninterrupted one used float32 (Lightning's "ddp" alike)
+SCALAR_STATE = ("NAdam", "ASGD")
+
+
+def casts_on_load(ex: dict) -> bool:
+    names = [ex["optimizer"]["name"]] + ([ex["second"]] if ex["optimization"] == "manual" else [])
+    return ex["precision"] == "64-true" and any(n in SCALAR_STATE for n in names)
+
+
+def resumed_against_ddp(ex: dict) -> bool:
+    """The resumed fit is compared with "ddp" resumed alike (tests/differential/plan.py)."""
+    r = ex["resume"]
+    return r is not None and ex["precision"] == "64-true" and (r["from"] == "after" or r["layout"] == "world1"
+                                                                or casts_on_load(ex))
+
+
+def needs_unused(ex: dict) -> bool:
+    """A parameter without a gradient in some step: DDP needs ``find_unused_parameters=True``."""
+    return ex["model"]["never"] or ex["model"]["sometimes"]
+
+
+def n_optimizers(ex: dict) -> int:
+    return 2 if ex["optimization"] == "manual" else 1
+
+
+def key(ex: dict) -> str:
+    return json.dumps(ex, sort_keys=True, separators=(",", ":"))
+
+
+def summary(ex: dict) -> str:
+    """One line naming the example's non-default choices."""
+    m = ex["model"]
+    parts = [f"w{ex['world']}" + (f"x{ex['rpn']}" if ex["rpn"] > 1 else ""), m["kind"]]
+    parts += [f for f in MODEL_FLAGS if m[f]]
+    parts.append(ex["optimizer"]["name"] + ("" if not ex["optimizer"]["kwargs"] else
+                                            "(" + ",".join(f"{k}={v}" for k, v in ex["optimizer"]["kwargs"].items()
+                                                           if k != "lr") + ")").replace("()", ""))
+    if ex["optimization"] == "manual":
+        parts.append(f"manual+{ex['second']}")
+    if ex["scheduler"]:
+        parts.append(f"{ex['scheduler']['name']}/{ex['scheduler']['interval']}")
+    if ex["accumulate"] > 1:
+        parts.append(f"accumulate{ex['accumulate']}")
+    if ex["clip"]:
+        parts.append(f"clip-{ex['clip']['where']}-{ex['clip']['algorithm']}={ex['clip']['value']}")
+    if ex["skip_batch"] is not None:
+        parts.append(f"skip{ex['skip_batch']}")
+    for flag in ("validate", "ckpt_during", "save_after"):
+        if ex[flag]:
+            parts.append(flag)
+    if ex["resume"]:
+        parts.append(f"resume-{ex['resume']['from']}-{ex['resume']['layout']}")
+    if ex["eval"]:
+        parts.append(f"{ex['eval']['kind']}-from-{ex['eval']['from']}")
+    if ex["state"] != "replicated":
+        parts.append(ex["state"])
+    if ex["store"]:
+        parts.append(f"store-{ex['store']['step']}-{ex['store']['prefetch']}")
+    if ex["sharding"]:
+        parts.append(f"sharding-{ex['sharding']}")
+    if ex["collectives"] != "flat":
+        parts.append(ex["collectives"])
+    if ex["backoff"]:
+        parts.append(f"backoff={ex['backoff']['max_norm']}")
+    parts += [ex["precision"], f"{ex['steps']}steps"]
+    return " ".join(parts)
+
+
+__all__ = ["EPOCH_STEPS", "OPTIMIZERS", "REFUSED", "constrain", "draw", "key", "n_optimizers", "needs_unused",
+           "refused_examples", "refusal", "simplest", "summary", "twin_changes", "unrefuse"]

@@ -5,7 +5,7 @@ The arms (``--arms``): replicated, node_sharded (one shared copy of the weights 
 
     python recipes/bench_state.py                                           # 2 and 4 ranks, fp32, 2 rounds
     python recipes/bench_state.py --ranks 2,4 --precision bf16-true-fp32 --fit-memory 2GiB
-    python recipes/bench_state.py --smoke --arms replicated,node_sharded-copies --fit-memory 4GiB  # CI: 4 runs
+    python recipes/bench_state.py --smoke --arms replicated,node_sharded --fit-memory 4GiB  # CI: 2 runs
 
 Each arm (state x ranks) trains the recipes' GPTPretrain (recipes/pretrain_gpt.py: AdamW, same seed) on the byte
 corpus of recipes/lm_data.py for ``--warmup`` + ``--steps`` steps, in a fresh process group (tune.run_worker: its
@@ -44,8 +44,10 @@ Per arm:
 memory per node stays within SIZE: a ladder of ``n_embd`` = 64, 128, ... ``--fit-max-embd`` at fixed ``--n-layer``
 and ``--n-head`` (which must divide 64), binary-searched (a run that fails counts as "does not fit"), each
 candidate a fresh process group training ``--fit-steps`` steps (the first step allocates the optimizer state); it
-prints both models' parameters and the ratio. The criterion is the measured peak only: no cgroup limit is set, so
-an over-budget candidate runs to its end (the ladder's top bounds what the search can allocate).
+prints both models' parameters and the ratio. A candidate the table already ran (that state and rank count at
+``--n-embd``, with ``--warmup`` 1 and ``--steps`` = ``--fit-steps`` - 1, as ``--smoke`` has it) takes the table's
+peak (the largest over its rounds) instead of running again. The criterion is the measured peak only: no cgroup
+limit is set, so an over-budget candidate runs to its end (the ladder's top bounds what the search can allocate).
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ ARMS = {"replicated": {"state": "replicated"}, "node_sharded": {"state": "node_s
         "node_sharded-copies": {"state": "node_sharded", "node_weights": "copies"}}
 PRECISIONS = ("32-true", "bf16-true-fp32")
 MIB = 2**20
-SMOKE = dict(n_layer=1, n_head=2, n_embd=32, seq=32, batch=2, warmup=1, steps=1, rounds=1, ranks="2",
+SMOKE = dict(n_layer=1, n_head=2, n_embd=64, seq=32, batch=2, warmup=1, steps=1, rounds=1, ranks="2",
              fit_max_embd=64, fit_steps=2, max_bytes=2**20)
 
 
@@ -184,15 +186,19 @@ def parameters(a: argparse.Namespace, n_embd: int) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def fit_search(state: str, ranks: int, a: argparse.Namespace, tmp: Path) -> Optional[int]:
-    """The widest ``n_embd`` of the ladder whose peak memory per node is within ``a.fit_memory``, or None."""
+def fit_search(state: str, ranks: int, a: argparse.Namespace, tmp: Path, table: dict[tuple[int, str], dict[str, Any]]
+               ) -> Optional[int]:
+    """The widest ``n_embd`` of the ladder whose peak memory per node is within ``a.fit_memory``, or None.
+    ``table``: the comparison's rows by (ranks, arm); a candidate one of them ran already is not run again."""
     ladder = list(range(64, a.fit_max_embd + 1, 64))
     lo, hi = -1, len(ladder)  # ladder[lo] fits (or lo = -1), ladder[hi] does not (or hi = len)
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        r = run_arm(state, ranks, a, ladder[mid], 1, a.fit_steps - 1, tmp)
+        same = (ladder[mid], 1, a.fit_steps - 1) == (a.n_embd, a.warmup, a.steps) and (ranks, state) in table
+        r = table[(ranks, state)] if same else run_arm(state, ranks, a, ladder[mid], 1, a.fit_steps - 1, tmp)
         fits = r["ok"] and r["node"] <= a.fit_memory
-        what = f"peak {r['node'] / MIB:,.0f} MiB per node ({r['wall']:.0f} s)" if r["ok"] else f"failed ({r['note']})"
+        took = "the table's run" if same else f"{r['wall']:.0f} s"
+        what = f"peak {r['node'] / MIB:,.0f} MiB per node ({took})" if r["ok"] else f"failed ({r['note']})"
         print(f"  fit {state} @ {ranks} ranks: n_embd {ladder[mid]} ({parameters(a, ladder[mid]) / 1e6:.2f}M"
               f" params): {what} -> {'fits' if fits else 'does not fit'}", flush=True)
         lo, hi = (mid, hi) if fits else (lo, mid)
@@ -291,7 +297,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                   f"{a.fit_max_embd} step 64 ({a.n_layer} layers, {a.n_head} heads), {a.fit_steps} steps each:",
                   flush=True)
             for s in STATES:
-                best = fit_search(s, max(ranks), a, Path(tmp))
+                best = fit_search(s, max(ranks), a, Path(tmp), {(x["ranks"], x["state"]): x for x in rows})
                 fit[s] = {"n_embd": best, "params": parameters(a, best) if best else 0}
             for s in STATES:
                 what = (f"n_embd {fit[s]['n_embd']}, {fit[s]['params'] / 1e6:.2f}M params" if fit[s]["n_embd"]

@@ -1,7 +1,8 @@
 """Head-to-head: the same GPT and data under plain Lightning and under lightning-horizon's defaults, on this machine.
 
     python recipes/bench_vs_lightning.py                                  # small (~10M) GPT, 3 rounds
-    python recipes/bench_vs_lightning.py --config recipes/configs/tiny.yaml --steps 10 --rounds 1   # smoke test
+    python recipes/bench_vs_lightning.py --config recipes/configs/tiny.yaml --steps 10 --rounds 1   # a quick look
+    python recipes/bench_vs_lightning.py --smoke --layouts 1x2 --layout-arms lightning-32           # CI: seconds
     python recipes/bench_vs_lightning.py --arms horizon,horizon-foreach,horizon-compile,lightning-32  # one question
     # a CPU without native bf16 (oneDNN capped at AVX2: bf16 matmuls emulated), reproduced on one with it:
     ONEDNN_MAX_CPU_ISA=AVX2 python recipes/bench_vs_lightning.py --arms lightning-32,lightning-bf16,horizon --warmup 1 --steps 3 --rounds 1
@@ -28,6 +29,9 @@ times tokens/s over that peak. Each worker also measures how much CPU other proc
 window (/proc/stat minus its own ranks' CPU time); above ``--max-foreign`` (10% of the machine) the run is
 repeated, up to ``--retries`` times, and the quietest attempt kept: on a shared machine this is what separates a
 measurement of the arm from a measurement of the neighbours.
+
+``--smoke`` takes the smallest settings (explicit options still win): tiny.yaml, 1 warm-up + 3 measured steps, one
+round, no retries, and the matmul peaks of one size (512) for 0.1 s: figures for a test, not for reading.
 
 Every arm trains the same GPTPretrain (same init, same data order: the recipe's seeded DistributedSampler, so one
 rank with batch 16 sees what two ranks with batch 8 see together), clipped to norm 1.0 (Lightning:
@@ -92,6 +96,9 @@ def find_allocator(name: str) -> str | None:
             return hits[0]
     return None
 DEFAULT_ARMS = "lightning-32,lightning-bf16,lightning-ddp-32,lightning-ddp-bf16,horizon,horizon-2x1"
+#: --smoke: the smallest run that still goes through every part of the bench (explicit options win)
+SMOKE = dict(config=str(HERE / "configs" / "tiny.yaml"), warmup=1, steps=3, rounds=1, retries=0, peak_seconds=0.1,
+             peak_sizes=(512,))
 TUNED = "horizon-tuned"  # horizon with the layout the recipe takes: resolved by the driver into "horizon@RxT"
 
 
@@ -266,15 +273,15 @@ def run_arm(name: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     return res
 
 
-def matmul_peaks(seconds: float) -> dict[str, float]:
+def matmul_peaks(seconds: float, sizes: tuple[int, ...] = (512, 1024, 2048)) -> dict[str, float]:
     import torch
 
     from lightning_horizon.callbacks import measure_matmul_peak
 
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     # emulated bf16 (no native bf16, or oneDNN capped below it) runs at a few GFLOP/s: one small size is enough
-    bf16_sizes = (512, 1024, 2048) if isa().native_bf16 else (512,)
-    return {"fp32": measure_matmul_peak(torch.float32, seconds=seconds),
+    bf16_sizes = sizes if isa().native_bf16 else sizes[:1]
+    return {"fp32": measure_matmul_peak(torch.float32, sizes, seconds=seconds),
             "bf16": measure_matmul_peak(torch.bfloat16, bf16_sizes, seconds=seconds)}
 
 
@@ -297,8 +304,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--peak-seconds", type=float, default=1.5, help="time per dtype for each matmul-peak measurement")
     p.add_argument("--cache-dir", default=None, help="token cache (default ~/.cache/lightning_horizon)")
     p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--smoke", action="store_true", help="tiny defaults: " + ", ".join(f"{k}={v}" for k, v in
+                                                                                   SMOKE.items()))
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    p.set_defaults(peak_sizes=(512, 1024, 2048))
+    if "--smoke" in (sys.argv[1:] if argv is None else argv):
+        p.set_defaults(**SMOKE)  # explicit options still win
     args = p.parse_args(argv)
     # SIGTERM as an exception, so run_arm's cleanup kills the worker's process group (it runs in its own session)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -326,7 +338,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     data_kw = {k: v for k, v in cfg.get("data", {}).items() if k in ("corpus", "max_bytes")}
     ByteCorpusDataModule(**data_kw, cache_dir=args.cache_dir).prepare_data()  # build the token cache once, here
-    peaks = matmul_peaks(args.peak_seconds)
+    peaks = matmul_peaks(args.peak_seconds, args.peak_sizes)
     runs: dict[str, list[dict[str, Any]]] = {a: [] for a in arms}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
@@ -344,7 +356,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 print(f"  round {r + 1}: {name:<20} {batch * seq / res['step_s']:>9,.0f} tok/s  loss"
                       f" {res['final_loss']:.4f}  others used {100 * res['foreign']:.0f}% of the machine"
                       + (f" (quietest of {len(tries)} tries)" if len(tries) > 1 else ""), flush=True)
-            for k, v in matmul_peaks(args.peak_seconds).items():
+            for k, v in matmul_peaks(args.peak_seconds, args.peak_sizes).items():
                 peaks[k] = max(peaks[k], v)
     tokens = batch * seq
     rows = []

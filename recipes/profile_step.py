@@ -1,7 +1,8 @@
 """Where a training step's time goes: the recipe's GPT under the real Trainer, profiled, broken down by category.
 
     python recipes/profile_step.py                                          # small.yaml, 1 process, 5 + 10 steps
-    python recipes/profile_step.py --config recipes/configs/tiny.yaml --warmup 2 --steps 2        # smoke test
+    python recipes/profile_step.py --config recipes/configs/tiny.yaml --warmup 2 --steps 2        # a quick look
+    python recipes/profile_step.py --smoke                   # CI: the same, and a matmul peak of one size (512)
     python recipes/profile_step.py --optimizer-impl foreach --attention manual --threads-per-rank 1
     python recipes/profile_step.py --devices 4 --threads-per-rank 4 --bucket-mb 25 --trace step.json   # big node
 
@@ -57,6 +58,8 @@ HERE = Path(__file__).resolve().parent
 
 ROWS = ("matmul", "attention", "layer norm", "softmax / cross-entropy", "elementwise / GELU", "other ops",
         "optimizer step", "gradient sync", "data loading", "other / Python overhead")
+#: --smoke: tiny.yaml, the fewest steps, a short matmul peak of one size (explicit options still win)
+SMOKE = dict(config=str(HERE / "configs" / "tiny.yaml"), warmup=2, steps=2, peak_seconds=0.1, peak_sizes=(512,))
 MARK = "profile_step#closure"  # the script's marker around Lightning's closure (forward, zero_grad, backward)
 BACKWARD = "profile_step#backward"  # and around the backward inside it
 _NODE = re.compile(r"^(autograd::engine::evaluate_function: )?(.*?)(Backward\d*)?$")
@@ -161,10 +164,10 @@ def breakdown(events: Any, window_s: float, world: int = 1) -> tuple[dict[str, f
     return out, details
 
 
-def matmul_peak(dtype: str, seconds: float) -> float:
+def matmul_peak(dtype: str, seconds: float, sizes: tuple[int, ...] = (512, 1024, 2048)) -> float:
     """FLOP/s of the matmul peak in ``dtype`` on every core this process may use: bench_vs_lightning's measurement
-    (``measure_matmul_peak``, the best square matmul), for the compute dtype only (an emulated bf16 peak takes
-    seconds to measure and is not needed on a CPU that computes in fp32)."""
+    (``measure_matmul_peak``, the best square matmul of ``sizes``), for the compute dtype only (an emulated bf16 peak
+    takes seconds to measure and is not needed on a CPU that computes in fp32)."""
     import torch
 
     from lightning_horizon.callbacks import measure_matmul_peak
@@ -172,8 +175,8 @@ def matmul_peak(dtype: str, seconds: float) -> float:
 
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     if dtype == "bf16":
-        return measure_matmul_peak(torch.bfloat16, (512, 1024, 2048) if isa().native_bf16 else (512,), seconds)
-    return measure_matmul_peak(torch.float32, seconds=seconds)
+        return measure_matmul_peak(torch.bfloat16, sizes if isa().native_bf16 else sizes[:1], seconds)
+    return measure_matmul_peak(torch.float32, sizes, seconds=seconds)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
@@ -191,6 +194,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     p.add_argument("--cache-dir", default=None, help="token cache (default ~/.cache/lightning_horizon)")
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--trace", default=None, help="also write a Chrome trace (chrome://tracing, ui.perfetto.dev)")
+    p.add_argument("--smoke", action="store_true", help="tiny defaults: " + ", ".join(f"{k}={v}" for k, v in
+                                                                                   SMOKE.items()))
+    p.set_defaults(peak_sizes=(512, 1024, 2048))
+    if "--smoke" in (sys.argv[1:] if argv is None else argv):
+        p.set_defaults(**SMOKE)  # explicit options still win
     args = p.parse_args(argv)
     if args.steps < 1 or args.warmup < 2 or args.devices < 1:
         raise ValueError(f"--steps={args.steps} --warmup={args.warmup} --devices={args.devices}: need steps >= 1,"
@@ -224,7 +232,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     precision = HorizonPrecision("auto")
     machine_cores = len(os.sched_getaffinity(0))  # before the strategy pins this process
     launched = "LOCAL_RANK" in os.environ  # a rank Lightning's launcher started (not the one that prints)
-    peak = None if launched else matmul_peak(precision.compute, args.peak_seconds)
+    peak = None if launched else matmul_peak(precision.compute, args.peak_seconds, args.peak_sizes)
 
     class Closure(GPTPretrain):  # the recipe's module, its closure marked
         def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:

@@ -46,8 +46,8 @@ def ci_examples() -> list[dict]:
 
 
 def test_generator_is_deterministic_constrained_and_compared_with_a_reference():
-    examples = [draw(s, w) for w in (1, 2, 4) for s in range(300)]
-    assert examples == [draw(s, w) for w in (1, 2, 4) for s in range(300)]
+    examples = [draw(s, w) for w in (1, 2, 4) for s in range(400)]
+    assert examples == [draw(s, w) for w in (1, 2, 4) for s in range(400)]
     assert all(constrain(ex) == ex for ex in examples)  # constraints are a fixed point of every draw
     for ex in examples:
         p = plan(ex)

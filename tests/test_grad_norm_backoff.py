@@ -137,23 +137,53 @@ def _scales(model, base_lr):
     return [row["lrs"][0] / base_lr for row in model.seen]
 
 
-def test_spike_backs_off_once_and_recovers(tmp_path):
+# 64-true: float64 gradients are clipped by a float64 coefficient, as torch's clip_grad_norm_ does (float32
+# rounding of the coefficient alone would be ~1e-8 off)
+@pytest.mark.parametrize("precision, rtol", [("32-true", 1e-6), ("64-true", 1e-15)])
+def test_spike_backs_off_once_and_recovers(tmp_path, precision, rtol):
     torch.manual_seed(0)
     backoff = GradNormBackoff(max_norm=1.0, spike_threshold=1e4, factor=0.8, recover_after=4)
     model, logger, pre = Tiny(lr=0.1, spike_at=[3]), ListLogger(), PreClipGrads()
-    _fit(model, [pre, backoff], 10, tmp_path, logger=logger)
+    _fit(model, [pre, backoff], 10, tmp_path, logger=logger, precision=precision)
 
     assert _scales(model, 0.1) == pytest.approx([1, 1, 1, 0.8, 0.8, 0.8, 0.8, 1, 1, 1], abs=1e-12)
     assert backoff.spikes == 1 and backoff.skipped_steps == 0 and backoff.lr_scale == 1.0
     assert all(row["lr_after"] == 0.1 for row in model.seen)  # the scheduler's lr is back after every step
     # the step uses exactly torch's clip of the unclipped gradients (the spike's, at least, needed clipping)
     assert len(pre.rows) == 10 and flat_norm(pre.rows[3]) > 1e4
+    assert pre.rows[3][0].dtype == (torch.float64 if precision == "64-true" else torch.float32)
     for unclipped, row in zip(pre.rows, model.seen):
-        torch.testing.assert_close(row["grads"], torch_clipped(unclipped, 1.0), rtol=1e-6, atol=0)
+        torch.testing.assert_close(row["grads"], torch_clipped(unclipped, 1.0), rtol=rtol, atol=0)
     logged = [row for row in logger.rows if "grad_norm" in row]
     assert len(logged) == 10 and all(set(NAMES) <= set(row) for row in logged)
     assert logged[3]["grad_norm"] > 1e4 and logged[3]["lr_scale"] == pytest.approx(0.8)
     assert [row["spikes"] for row in logged] == [0, 0, 0] + [1] * 7
+
+
+class ClipsFirst(Tiny):
+    """Manual optimization that clips to ``max_norm`` itself (``self.clip_gradients``) before ``opt.step()``:
+    GradNormBackoff then sees a norm a hair under ``max_norm``, which clip_grad_norm_ still scales (its 1e-6)."""
+
+    def __init__(self, max_norm: float) -> None:
+        super().__init__(lr=0.1)
+        self.automatic_optimization, self.max_norm = False, max_norm
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(super().training_step(batch, batch_idx))
+        self.clip_gradients(opt, gradient_clip_val=self.max_norm, gradient_clip_algorithm="norm")
+        opt.step()
+
+
+def test_a_norm_just_under_max_norm_is_clipped_as_clip_grad_norm_does(tmp_path):
+    torch.manual_seed(0)
+    model, pre = ClipsFirst(max_norm=0.05), PreClipGrads()
+    _fit(model, [pre, GradNormBackoff(max_norm=0.05, spike_threshold=None)], 3, tmp_path, precision="64-true")
+    assert len(pre.rows) == 3
+    for unclipped, row in zip(pre.rows, model.seen):
+        assert 0.05 - 1e-6 < flat_norm(unclipped) <= 0.05  # the user's clip left it in torch's 1e-6 window
+        torch.testing.assert_close(row["grads"], torch_clipped(unclipped, 0.05), rtol=1e-15, atol=0)
 
 
 def test_nan_step_is_skipped_bit_identically_and_training_goes_on(tmp_path):

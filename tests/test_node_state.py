@@ -1,15 +1,17 @@
 """Node-sharded training state (``HorizonStrategy(state="node_sharded")``, lightning_horizon/node_state/).
 
-Every multi-process case runs twice, node-sharded and replicated, with everything else equal, through
-tests/scripts/composition_fit.py (real gloo ranks, several fits per launch); the node-sharded run must give the
+Every multi-process case runs twice, node-sharded and replicated, with everything else equal, as
+tests/scripts/composition_fit.py runs (real gloo ranks); the node-sharded run must give the
 replicated run's weights and losses: equal to float64 rounding in ``64-true`` (where only the summation order
 differs), within a small fraction of the weights' movement in fp32 / bf16. 1 node x 4 ranks and 2 emulated nodes x 2
 ranks at world 4, 1 node x 2 at world 2. Checkpoints are full: they load into a plain module (``strict=True``), into
 ``state="replicated"`` and into another number of ranks per node, and resume exactly in the same layout.
 
-Against Lightning's own "ddp" (tests/scripts/node_state_fit.py, one launch per world size, float64): a checkpoint
-saved after fit is the full one, an optimizer with eager state (Adagrad) saves and resumes its owners' state, and
-every clip path clips by the whole gradient's norm.
+Against Lightning's own "ddp" (float64): a checkpoint saved after fit is the full one, an optimizer with eager state
+(Adagrad) saves and resumes its owners' state, and every clip path clips by the whole gradient's norm.
+
+Every fit of this file runs in three launches of tests/scripts/node_state_fit.py (fixture ``launched``): a process
+start and ``import lightning`` cost seconds per rank.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ from lightning_horizon.node_state.checkpoint import local_part, merge, owned_opt
 from tests.launch import REPO, run_scripts
 from tests.pairwise import all_pairs
 
-SCRIPT = REPO / "tests" / "scripts" / "composition_fit.py"
 STEPS, SAVE_AT = 4, 2
 
 
@@ -211,16 +212,68 @@ def all_runs(work: Path) -> list[dict]:
     return runs
 
 
+# ---------------------------------------------------------------------------------------------- the launches
+
+FIT = REPO / "tests" / "scripts" / "node_state_fit.py"
+# the memory test's fits: a fixed mmap threshold (glibc's moving one keeps freed blocks in the heap, which is the
+# allocator's, not ours)
+MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
+LAUNCH_TIMEOUT_S = {4: 900, 2: 600}  # hard: every process of a launch is killed then
+#: the first test that needs ``launched`` waits for every launch (pytest-timeout counts fixture setup)
+WAITS_FOR_LAUNCHES = pytest.mark.timeout(sum(LAUNCH_TIMEOUT_S.values()) + 120)
+#: (name, world, the memory fit it begins with, composition runs, runs against ddp); the two world-4 launches run
+#: at once, then the world-2 one
+LAUNCHES = (("w4-composition", 4, "replicated", True, False), ("w4-ddp", 4, "node_sharded", False, True),
+            ("w2", 2, None, True, True))
+
+
 @pytest.fixture(scope="module")
-def results(tmp_path_factory) -> dict[str, list[dict]]:
+def launched(tmp_path_factory) -> dict:
+    """Every fit of this file, in the fewest processes: at world 4 two launches at once, each beginning with one of
+    the memory test's fits while its processes are fresh (replicated, then the composition runs; node-sharded, then
+    the runs against ddp); at world 2 one launch, the composition runs then the runs against ddp.
+
+    Returns the folders and, per launch, its output if it failed (each fixture below checks the launches it reads).
+    """
     work = tmp_path_factory.mktemp("node_state")
-    runs = all_runs(work)
+    dirs = {"composition": work / "composition", "ddp": work / "ddp",
+            **{state: work / "memory" / state for state in ("replicated", "node_sharded")}}
+    for d in dirs.values():
+        d.mkdir(parents=True)
+    composition, ddp = all_runs(dirs["composition"]), ddp_runs(dirs["ddp"])
+    failed: dict[str, str] = {}
     for world in (4, 2):
-        mine = [r for r in runs if r["world"] == world]
-        cfg = work / f"w{world}.json"
-        cfg.write_text(json.dumps({"runs": mine}))
-        out = run_scripts([(SCRIPT, [cfg, work], None)], timeout=600, check=False)[0]
-        assert out.returncode == 0, out.stdout[-6000:]
+        launches, names = [], []
+        for name, w, memory, with_composition, with_ddp in LAUNCHES:
+            if w != world:
+                continue
+            cfg = {"memory": memory and [memory, str(dirs[memory])], "composition": None,
+                   "runs": [r for r in ddp if r["world"] == world] if with_ddp else []}
+            if with_composition:  # in tests/scripts/composition_fit.py's format
+                comp = work / f"{name}.composition.json"
+                comp.write_text(json.dumps({"runs": [r for r in composition if r["world"] == world]}))
+                cfg["composition"] = [str(comp), str(dirs["composition"])]
+            (work / f"{name}.json").write_text(json.dumps(cfg))
+            launches.append((FIT, [work / f"{name}.json", dirs["ddp"]], MEMORY_ENV if memory else None))
+            names.append(name)
+        for name, out in zip(names, run_scripts(launches, timeout=LAUNCH_TIMEOUT_S[world], check=False)):
+            if out.returncode != 0:
+                failed[name] = f"launch {name} exited {out.returncode}:\n{out.stdout[-6000:]}"
+    return {**dirs, "failed": failed}
+
+
+def launches_ok(launched: dict, composition: bool = False, ddp: bool = False) -> None:
+    """The launches that hold the composition runs (or the runs against ddp) ended well."""
+    mine = [name for name, _, _, c, d in LAUNCHES if (composition and c) or (ddp and d)]
+    failed = [launched["failed"][name] for name in mine if name in launched["failed"]]
+    assert not failed, "\n".join(failed)
+
+
+@pytest.fixture(scope="module")
+def results(launched) -> dict[str, list[dict]]:
+    launches_ok(launched, composition=True)
+    work = launched["composition"]
+    runs = all_runs(work)
     loaded = {}
     for r in runs:
         loaded[r["name"]] = [torch.load(work / f"{r['name']}.rank{k}.pt", weights_only=False)
@@ -256,6 +309,7 @@ def true_weights(ranks: list[dict], node: int, rpn: int) -> dict:
     return out
 
 
+@WAITS_FOR_LAUNCHES
 @pytest.mark.parametrize("name", list(CASES))
 def test_same_result_as_replicated(results, name):
     sharded, replicated = results[f"{name}-node_sharded"], results[f"{name}-replicated"]
@@ -279,6 +333,7 @@ def test_same_result_as_replicated(results, name):
     assert not any(s["shm_after_fit"] for s in sharded)
 
 
+@WAITS_FOR_LAUNCHES
 def test_checkpoint_is_full_and_loads_into_a_plain_module(results):
     work: Path = results["_work"]  # type: ignore[assignment]
     sharded = torch.load(work / "ckpt-node_sharded.ckpt" / f"step={SAVE_AT}.ckpt", weights_only=False)
@@ -300,6 +355,7 @@ def test_checkpoint_is_full_and_loads_into_a_plain_module(results):
     plain.load_state_dict(sharded["state_dict"], strict=True)
 
 
+@WAITS_FOR_LAUNCHES
 def test_per_rank_files_resume_in_another_layout(results):
     work: Path = results["_work"]  # type: ignore[assignment]
     path = work / "ckpt-per-rank-node_sharded.ckpt" / f"step={SAVE_AT}.ckpt"
@@ -319,6 +375,7 @@ def test_per_rank_files_resume_in_another_layout(results):
             assert dev <= TOLERANCE["fp32"], (label, node, dev)
 
 
+@WAITS_FOR_LAUNCHES
 def test_resume_exact_in_the_same_layout_and_equal_in_another(results):
     whole = results["ckpt-node_sharded"]
     same, other, repl = results["resume-same-node_sharded"], results["resume-other-node_sharded"], \
@@ -337,21 +394,19 @@ def test_resume_exact_in_the_same_layout_and_equal_in_another(results):
     assert distance(true_weights(kahan_same, 0, 4), true_weights(kahan_whole, 0, 4)) == 0.0
 
 
-def test_state_memory_per_rank_and_node_in_fresh_processes(tmp_path):
+@WAITS_FOR_LAUNCHES
+def test_state_memory_per_rank_and_node_in_fresh_processes(launched):
     """Measured, not estimated: each rank's PSS growth from before the model exists to its peak in training (after
     backward, before and after the step). fp32 AdamW, 4 ranks: replicated holds ~16 B per parameter per rank plus
-    DDP's buckets; node-sharded the weights once per node and a quarter of the rest per rank."""
+    DDP's buckets; node-sharded the weights once per node and a quarter of the rest per rank.
+
+    Both fits at once, each the first fit of its own fresh processes (tests/scripts/node_state_memory.py's, at the
+    start of the two world-4 launches): memory is what is measured, and it does not mind sharing cores."""
     growth = {}
-    # a fixed mmap threshold: glibc's moving one keeps freed blocks in the heap, which is the allocator's, not ours
-    env = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
-    states = ("replicated", "node_sharded")
-    for state in states:
-        (tmp_path / state).mkdir()
-    # both fits at once, each its own processes: memory is what is measured, and it does not mind sharing cores
-    launches = [(REPO / "tests" / "scripts" / "node_state_memory.py", [state, tmp_path / state], env) for state in states]
-    for state, done in zip(states, run_scripts(launches, timeout=300, check=False)):
-        assert done.returncode == 0, done.stdout[-4000:]
-        rows = [json.loads((tmp_path / state / f"rank{r}.json").read_text()) for r in range(4)]
+    for state in ("replicated", "node_sharded"):
+        files = [launched[state] / f"rank{r}.json" for r in range(4)]
+        assert all(f.exists() for f in files), "\n".join(launched["failed"].values()) or f"{state}: no result"
+        rows = [json.loads(f.read_text()) for f in files]
         growth[state] = [r["peak_pss"] - r["base"] for r in rows]
     params = 48 * (256 * 256 + 256)
     print({k: [round(g / 2**20, 1) for g in v] for k, v in growth.items()}, f"params {params * 4 / 2**20:.1f} MiB")
@@ -363,7 +418,6 @@ def test_state_memory_per_rank_and_node_in_fresh_processes(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- against Lightning's ddp
 
-FIT = REPO / "tests" / "scripts" / "node_state_fit.py"
 FIT_STEPS, MORE = 4, 3  # a fit of FIT_STEPS (one epoch), then resumed for MORE steps
 FP64_TRUE = "64-true"
 BF16_FP32_MASTER = {"mode": "bf16-true", "master": "fp32", "compute": "fp32"}
@@ -412,19 +466,18 @@ def ddp_runs(work: Path) -> list[dict]:
         fit_run("ddp-manual", 2, "ddp", "SGD", manual=True, clip="manual"),
         fit_run("ns-manual", 2, ns(2), "SGD", manual=True, clip="manual"),
         fit_run("ns-manual-torch", 2, ns(2), "SGD", manual=True, clip="manual-torch"),
+        # one bucket (1 MiB): rank 0 owns every gradient, rank 1 none; clipping there is a no-op, on every path
+        *(fit_run(f"ns-{clip}-one-owner", 2, {**ns(2), "bucket_size_mb": 1.0}, "SGD", clip=clip)
+          for clip in ("trainer-value", "configure-value", "trainer-norm", "configure")),
     ]
     return runs
 
 
 @pytest.fixture(scope="module")
-def vs_ddp(tmp_path_factory) -> dict:
-    work = tmp_path_factory.mktemp("node_state_ddp")
+def vs_ddp(launched) -> dict:
+    launches_ok(launched, ddp=True)
+    work = launched["ddp"]
     runs = ddp_runs(work)
-    for world in (4, 2):
-        cfg = work / f"w{world}.json"
-        cfg.write_text(json.dumps({"runs": [r for r in runs if r["world"] == world]}))
-        out = run_scripts([(FIT, [cfg, work], None)], timeout=900, check=False)[0]
-        assert out.returncode == 0, out.stdout[-6000:]
     loaded: dict = {"_work": work}
     for r in runs:
         loaded[r["name"]] = [torch.load(work / f"{r['name']}.rank{k}.pt", weights_only=False)
@@ -458,6 +511,7 @@ def assert_same_state(a: dict, b: dict, rtol: float = 0.0, atol: float = 0.0) ->
                                                                                                b[i][key])
 
 
+@WAITS_FOR_LAUNCHES
 def test_checkpoint_saved_after_fit_is_full(vs_ddp):
     """trainer.save_checkpoint after fit (2 nodes x 2 and 1 x 4) holds every parameter's optimizer state and, under
     bf16-true, every fp32 master: the checkpoint ModelCheckpoint wrote at the fit's last step, and ddp's."""
@@ -492,6 +546,7 @@ def test_checkpoint_saved_after_fit_is_full(vs_ddp):
         assert max_diff(ok(vs_ddp, f"ddp-from-{src}")[0]["final"], reference) <= 1e-9, src
 
 
+@WAITS_FOR_LAUNCHES
 def test_eager_optimizer_state_only_the_owners_counts(vs_ddp):
     """Adagrad creates state for every parameter in its constructor: the checkpoint holds each owner's (not a
     non-owner's never-stepped entry), and resuming, ddp or node-sharded, ends where ddp does."""
@@ -511,21 +566,31 @@ def test_eager_optimizer_state_only_the_owners_counts(vs_ddp):
             assert max_diff(rank["final"], reference) <= 1e-9, name
 
 
+@WAITS_FOR_LAUNCHES
 @pytest.mark.parametrize("sharded, reference", [
     ("ns-trainer-norm", "ddp-norm"),  # Trainer(gradient_clip_val=...), any precision plugin
     ("ns-configure", "ddp-norm"),  # self.clip_gradients(...) in configure_gradient_clipping: the same clip
     ("ns22-configure", "ddp4-configure"),  # 2 nodes x 2
     ("ns-trainer-value", "ddp-value"),
     ("ns-manual", "ddp-manual"),  # self.clip_gradients in manual optimization
+    # a rank that holds none of the gradients (one bucket, owned by rank 0)
+    ("ns-trainer-value-one-owner", "ddp-value"),
+    ("ns-configure-value-one-owner", "ddp-value"),  # self.clip_gradients(..., "value") in configure_gradient_clipping
+    ("ns-trainer-norm-one-owner", "ddp-norm"),
+    ("ns-configure-one-owner", "ddp-norm"),
 ])
 def test_every_clip_path_clips_by_the_global_norm(vs_ddp, sharded, reference):
     ref = ok(vs_ddp, reference)[0]["final"]
     if len(vs_ddp[reference]) == 2:
         assert max_diff(ref, ok(vs_ddp, "ddp-sgd")[0]["final"]) > 1e-3  # the reference did clip
-    for rank in ok(vs_ddp, sharded):
+    ranks = ok(vs_ddp, sharded)
+    if sharded.endswith("one-owner"):
+        assert [r["held"] for r in ranks] == [8, 0]  # the case it names: rank 1 has no gradient to clip
+    for rank in ranks:
         assert max_diff(rank["final"], ref) <= 1e-9
 
 
+@WAITS_FOR_LAUNCHES
 def test_clipping_the_share_with_torch_directly_is_warned_by_name(vs_ddp):
     warned = [w for r in ok(vs_ddp, "ns-manual-torch") for w in r["warnings"] if "clip_grad_norm_" in w]
     assert warned and "self.clip_gradients" in warned[0], warned

@@ -36,11 +36,11 @@ from lightning_horizon.state import TrainingState
 from lightning_horizon.store import StateStore, StoreConfig, StoreSpaceError, resolve_store
 from lightning_horizon.store.step import StreamedStep
 from lightning_horizon.store.units import plan_units
-from tests.launch import REPO, run_scripts
+from tests.launch import REPO, run_script
 from tests.scripts.out_of_core_fits import Partial, StepsInBackward, accumulated_fit
 from tests.pairwise import all_pairs
 
-SCRIPT = REPO / "tests" / "scripts" / "composition_fit.py"
+FITS = REPO / "tests" / "scripts" / "out_of_core_fits.py"  # every multi-process job (composition_fit.py's runs too)
 MEMORY = REPO / "tests" / "scripts" / "out_of_core_memory.py"
 STEPS, SAVE_AT = 4, 2
 
@@ -369,6 +369,33 @@ def test_step_in_backward_refused_by_name_where_something_is_in_the_way(tmp_path
         _fit(tmp_path, StoreConfig(path=str(tmp_path / "s"), probe_bytes=0, step="in_backward"), model=PreHooked())
 
 
+class _ClosureOptimizer(torch.optim.SGD):
+    """A user's optimizer whose step needs the closure (as LBFGS's: it may evaluate it several times)."""
+
+    def step(self, closure: Any) -> Any:  # type: ignore[override]
+        loss = closure()
+        super().step()
+        return loss
+
+
+@pytest.mark.parametrize("make", [lambda ps: torch.optim.LBFGS(ps, lr=0.5, max_iter=3),
+                                  lambda ps: _ClosureOptimizer(ps, lr=0.1)], ids=["LBFGS", "user"])
+def test_an_optimizer_whose_step_needs_the_closure_is_refused_at_setup(tmp_path, make):
+    """The streamed step runs the closure once and steps layer by layer; LBFGS re-evaluates it inside its step."""
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    class Model(BoringModel):
+        def configure_optimizers(self) -> Any:
+            return make(self.parameters())
+
+    seen = _Before()
+    with pytest.raises(ValueError) as err:
+        _fit(tmp_path, StoreConfig(path=str(tmp_path / "s"), probe_bytes=0), callbacks=[seen], model=Model())
+    name = type(make([nn.Parameter(torch.zeros(1))])).__name__
+    assert all(n in str(err.value) for n in ("state_store=", name, "closure", "state_store=None")), str(err.value)
+    assert not seen.stepped
+
+
 class _Before(L.Callback):
     def __init__(self) -> None:
         self.stepped = False
@@ -579,34 +606,44 @@ def run(name: str, case: dict, world: int, store: Any, work: Path, **extra: Any)
 CKPT = {**dict(zip(DIMENSIONS, ("bf16-true+fp32", "automatic", False, False, None, "gpt", "read", "auto")))}
 
 
-def launch(work: Path, label: str, runs: list[dict], world: int, expect_rc: int = 0) -> str:
-    cfg = work / f"{label}.json"
+def world(work: Path, tag: str, runs: list[dict], devices: int) -> dict:
+    """A job of the launch: a world of ``devices`` ranks running ``runs`` (tests/scripts/composition_fit.py)."""
+    cfg = work / f"{tag}.json"
     cfg.write_text(json.dumps({"runs": runs}))
-    out = run_scripts([(SCRIPT, [cfg, work], None)], timeout=600, check=False)[0]
-    assert out.returncode == expect_rc, out.stdout[-6000:]
-    return out.stdout
+    return {"tag": tag, "devices": devices, "config": str(cfg)}
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict[str, Any]:
+    """Every multi-process check of this file in one launch (one process start; its jobs, one after another, in
+    processes it forks after its imports): the paired fits at 1 rank, ending with a SIGKILL; the resumes; the paired
+    fits at 2 ranks; two fits sharing a folder at once."""
     work = tmp_path_factory.mktemp("out_of_core")
     (work / "stores").mkdir()
     runs = [run(name, case, 1, store, work) for name, case in CASES.items() for store in (True, False)]
     # a checkpoint at step 2 (bf16-true + fp32 masters: masters and optimizer state in the store), resumed
     runs.append(run("ckpt", CKPT, 1, True, work, save_at=SAVE_AT))
     runs.append(run("ckpt", CKPT, 1, False, work, save_at=SAVE_AT))
-    launch(work, "w1", runs, 1)
-    ckpt = work / "ckpt-store.ckpt" / f"step={SAVE_AT}.ckpt"
-    # a crash: SIGKILL at step 3, after the checkpoint of step 2; then resume from it
+    # a crash: SIGKILL at step 3, after the checkpoint of step 2, as the world's last run (each run before it has
+    # written its results as it ended); then resume from it, and from the whole run's checkpoint
     killed = run("killed", CKPT, 1, True, work, save_at=SAVE_AT, kill_at=SAVE_AT + 1)
-    stdout = launch(work, "kill", [killed], 1, expect_rc=-9)
-    assert f"KILLED at step {SAVE_AT + 1}" in stdout
+    ckpt = work / "ckpt-store.ckpt" / f"step={SAVE_AT}.ckpt"
     resumed = [run("resume", CKPT, 1, True, work, resume_from=str(ckpt)),
                run("resume-killed", CKPT, 1, True, work,
                    resume_from=str(work / "killed-store.ckpt" / f"step={SAVE_AT}.ckpt"))]
-    launch(work, "resume", resumed, 1)
     w2 = [run(name, case, 2, store, work) for name, case in WORLD2.items() for store in (True, False)]
-    launch(work, "w2", w2, 2)
+    shared = {"folder": str(work / "shared"), "sync": str(work / "sync"),
+              "out": {role: str(work / f"shared-{role}.pt") for role in ("first", "second")}}
+    for folder in ("shared", "sync"):
+        (work / folder).mkdir()
+    jobs = [world(work, "w1", [*runs, killed], 1), world(work, "resume", resumed, 1), world(work, "w2", w2, 2),
+            {"tag": "shared", "shared": shared}]
+    (work / "jobs.json").write_text(json.dumps({"jobs": jobs}))
+    launched = run_script(FITS, [work / "jobs.json", work], timeout=900)
+    exits = {j["tag"]: j["exit"] for j in map(json.loads, (work / "exits.jsonl").read_text().splitlines())}
+    assert exits == {"w1": [-9], "resume": [0], "w2": [0, 0], "shared": [0, 0]}, (exits, launched.stdout[-6000:])
+    w1_log = (work / "w1.log").read_text()
+    assert f"KILLED at step {SAVE_AT + 1}" in w1_log and "RUN killed-store ok" not in w1_log
     loaded: dict[str, Any] = {"_work": work}
     for r in runs + resumed + w2:
         loaded[r["name"]] = [torch.load(work / f"{r['name']}.rank{k}.pt", weights_only=False)
@@ -614,6 +651,7 @@ def results(tmp_path_factory) -> dict[str, Any]:
         for res in loaded[r["name"]]:
             assert res["error"] is None, f"{r['name']}: {res['error']}\n{res.get('traceback', '')}"
             assert not res["violations"], res["violations"]
+    loaded["_shared"] = {role: torch.load(path, weights_only=False) for role, path in shared["out"].items()}
     return loaded
 
 
@@ -677,14 +715,11 @@ def test_peak_memory_is_a_layer_not_the_state(tmp_path):
     """A GPT whose gradients and AdamW state take 76 MB: in RAM the peak grows by that (and the activations, code
     pages) during training; with the store by a few layers' worth less than that: what streaming saves is most of
     the state (fresh processes, peak RSS = VmHWM, file-backed pages included; glibc's mmap threshold fixed in both,
-    so that freed buffers leave the process)."""
-    figures = {}
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
-    for arm in ("ram", "store"):
-        out = subprocess.run([sys.executable, str(MEMORY), arm, str(tmp_path / arm)], capture_output=True, text=True,
-                             timeout=300, cwd=REPO, env=env)
-        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-        figures[arm] = json.loads(out.stdout.strip().splitlines()[-1])
+    so that freed buffers leave the process). One launch: each arm in a child forked from it after the imports."""
+    out = run_script(MEMORY, [tmp_path], timeout=480, env={"MALLOC_MMAP_THRESHOLD_": "131072"})
+    figures = {arm: json.loads(line.split(" ", 1)[1]) for line in out.stdout.splitlines()
+               for arm in ("ram", "store") if line.startswith(f"{arm} {{")}
+    assert figures.keys() == {"ram", "store"}, out.stdout[-3000:]
     added = figures["ram"]["added"]
     assert figures["ram"]["grown"] >= added, figures  # the gradients and the state, plus activations and code pages
     # the same fit with the store: everything but what the gradients and the state take (measured: 86% of them)
@@ -714,7 +749,8 @@ def test_units_are_pinned_as_measured_memory_allows(tmp_path):
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=14, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[Watch()],
                         strategy=HorizonStrategy(state_store=StoreConfig(path=str(tmp_path / "s"), probe_bytes=0),
-                                                 sharding=ShardingConfig(budget=1 << 40, adaptive=False)))
+                                                 sharding=ShardingConfig(budget=1 << 40, adaptive=False),
+                                                 threads_per_rank=1))
     sys.path.insert(0, str(REPO))
     from tests.scripts.composition_models import BATCH, dataset
 
@@ -729,20 +765,36 @@ def test_units_are_pinned_as_measured_memory_allows(tmp_path):
 # ---------------------------------------------------------------------------------------------- in-process fits
 
 
+@pytest.fixture(scope="module")
+def ram_fit(tmp_path_factory) -> Any:
+    """``ram_fit(kind, used_in, unused=True)``: the in-RAM fit of ``Partial(kind, used_in, unused)`` (its weights and
+    losses), fitted once for every test that compares a store fit with it."""
+    fitted: dict[tuple, tuple[dict[str, Tensor], list[float]]] = {}
+
+    def fit(kind: str, used_in: tuple[int, ...], unused: bool = True) -> tuple[dict[str, Tensor], list[float]]:
+        key = (kind, used_in, unused)
+        if key not in fitted:
+            model = Partial(kind, used_in, unused=unused)
+            fitted[key] = accumulated_fit(tmp_path_factory.mktemp("ram"), model, None), model.losses
+        return fitted[key]
+
+    return fit
+
+
 @pytest.mark.parametrize("step", ["in_backward", "after_backward"])
 @pytest.mark.parametrize("kind", ["gpt", "linear"])
-def test_accumulation_with_parameters_without_gradient_is_bitwise_the_ram_fit(tmp_path, kind, step):
+def test_accumulation_with_parameters_without_gradient_is_bitwise_the_ram_fit(tmp_path, ram_fit, kind, step):
     """Gradient accumulation over 2 micro-batches, each unit with a parameter that never gets a gradient and one
     that gets one in the first micro-batch only, the second only, or both: a unit steps once its gradients of the
     step are complete (in the last micro-batch's backward, or after it), and the fit is the in-RAM fit, bitwise."""
     for used_in in ((0,), (1,), (0, 1)):
-        ram, store = Partial(kind, used_in), Partial(kind, used_in)
-        want = accumulated_fit(tmp_path, ram, None)
+        want, losses = ram_fit(kind, used_in)
+        store = Partial(kind, used_in)
         steps = StepsInBackward()
         got = accumulated_fit(tmp_path, store, StoreConfig(path=str(tmp_path / "s"), probe_bytes=0, step=step),
                                [steps])
         assert steps.seen == [step == "in_backward"] * 3  # the last unit (one never complete) stepped in backward
-        assert store.losses == ram.losses, used_in
+        assert store.losses == losses, used_in
         assert all(torch.equal(want[n], got[n]) for n in want), (used_in, [n for n in want if not torch.equal(
             want[n], got[n])])
         assert not torch.equal(want["net.0.sometimes" if kind == "linear" else "net.blocks.0.sometimes"],
@@ -872,15 +924,13 @@ def test_reserved_disk_is_exact_with_every_precision(tmp_path, precision):
 
 # ---------------------------------------------------------------------------------------------- a shared folder
 
-FITS = REPO / "tests" / "scripts" / "out_of_core_fits.py"
 
-
-def test_fits_sharing_a_folder_one_after_another(tmp_path):
+def test_fits_sharing_a_folder_one_after_another(tmp_path, ram_fit):
     """Two fits with the same ``StoreConfig(path=...)``, a folder the user made: each trains as in RAM, works in a
     subfolder of its own and removes it; the user's folder and the user's file in it stay."""
     folder = tmp_path / "mine"
     folder.mkdir()
-    want = accumulated_fit(tmp_path, Partial("linear", (0, 1), unused=False), None)
+    want, _ = ram_fit("linear", (0, 1), unused=False)
     for i in range(2):
         got = accumulated_fit(tmp_path, Partial("linear", (0, 1), unused=False),
                               StoreConfig(path=str(folder), probe_bytes=0))
@@ -890,22 +940,15 @@ def test_fits_sharing_a_folder_one_after_another(tmp_path):
     assert (folder / "notes.txt").read_text() == "mine"
 
 
-def test_fits_sharing_a_folder_at_once(tmp_path):
-    """Two processes' fits in one folder at the same time: the first tears down (at its first batch, the second's
-    store is set up) while the second waits at its first batch, then the second trains. Both train as in RAM; the
-    folder stays."""
-    folder, sync = tmp_path / "shared", tmp_path / "sync"
-    folder.mkdir()
-    sync.mkdir()
-    outs = {role: tmp_path / f"{role}.pt" for role in ("first", "second")}
-    done = run_scripts([(FITS, [folder, role, sync, out], {"OMP_NUM_THREADS": "1"}) for role, out in outs.items()],
-                       timeout=300, check=False)
-    assert all(d.returncode == 0 for d in done), "\n".join(d.stdout[-3000:] for d in done)
-    want = accumulated_fit(tmp_path, Partial("linear", (0, 1), unused=False), None)
-    for role, out in outs.items():
-        got = torch.load(out, weights_only=False)
+def test_fits_sharing_a_folder_at_once(results, ram_fit):
+    """Two processes' fits in one folder at the same time (a job of the launch of ``results``): the first tears down
+    (at its first batch, the second's store is set up) while the second waits at its first batch, then the second
+    trains. Both train as in RAM; the folder stays."""
+    want, _ = ram_fit("linear", (0, 1), unused=False)
+    for role, got in results["_shared"].items():
         assert got["error"] is None, f"{role}: {got['error']}"
         assert all(torch.equal(want[n], got["weights"][n]) for n in want), role
+    folder = results["_work"] / "shared"
     assert folder.is_dir() and os.listdir(folder) == []
 
 

@@ -432,16 +432,34 @@ def test_gradient_clipping_is_torchs_clip_of_the_fp32_pre_clip_norm(name):
 # ------------------------------------------------------------------------------------------------ checkpoints
 
 
-@pytest.mark.parametrize("name", ["true-kahan", "true-fp32"])
-def test_stop_and_resume_continues_bit_identically(name, tmp_path):
+class StateLM(TinyLM):
+    """TinyLM with an optimizer whose state is more than per-element moments in the parameter's dtype."""
+
+    OPTIMIZERS = {  # ASGD: fp32 0-dim eta and mu; Adafactor: fp32 factored row / column variances
+        "AdamW": lambda ps, lr: torch.optim.AdamW(ps, lr=lr, weight_decay=0.01),
+        "ASGD": lambda ps, lr: torch.optim.ASGD(ps, lr=lr, t0=1),
+        "Adafactor": lambda ps, lr: torch.optim.Adafactor(ps, lr=lr),
+    }
+
+    def __init__(self, optimizer: str, lr: float = 1e-2) -> None:
+        super().__init__(lr)
+        self.optimizer_name = optimizer
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return self.OPTIMIZERS[self.optimizer_name](self.parameters(), self.lr)
+
+
+@pytest.mark.parametrize("name, optimizer", [("true-kahan", "AdamW"), ("true-fp32", "AdamW"), ("true-kahan", "ASGD"),
+                                             ("true-kahan", "Adafactor")])
+def test_stop_and_resume_continues_bit_identically(name, optimizer, tmp_path):
     data = loader(48, batch=8)  # 6 steps per epoch; a checkpoint at each epoch end
-    full = TinyLM()
+    full = StateLM(optimizer)
     ckpt = ModelCheckpoint(dirpath=tmp_path, filename="{epoch}", save_top_k=-1)
     full_plugin = HorizonPrecision(**MODES[name])
-    trainer(full_plugin, max_epochs=3, callbacks=[ckpt], enable_checkpointing=True, gradient_clip_val=1.0).fit(
-        full, data
-    )
-    resumed = TinyLM(lr=0.5)  # different lr and init: everything must come from the checkpoint
+    full_trainer = trainer(full_plugin, max_epochs=3, callbacks=[ckpt], enable_checkpointing=True,
+                           gradient_clip_val=1.0)
+    full_trainer.fit(full, data)
+    resumed = StateLM(optimizer, lr=0.5)  # different lr and init: everything must come from the checkpoint
     with torch.no_grad():
         for p in resumed.parameters():
             p.add_(1.0)
@@ -452,6 +470,13 @@ def test_stop_and_resume_continues_bit_identically(name, tmp_path):
     assert resumed.losses == full.losses[6:]
     for a, b in zip(full.state_dict().values(), resumed.state_dict().values()):
         assert torch.equal(a, b)
+    # every optimizer state tensor in the dtype it had (torch's load casts them all to the bf16 parameter's)
+    full_state, res_state = full_trainer.optimizers[0].state_dict()["state"], tr.optimizers[0].state_dict()["state"]
+    assert full_state.keys() == res_state.keys()
+    for i, st in full_state.items():
+        for k, v in st.items():
+            r = res_state[i][k]
+            assert (r.dtype, r.shape) == (v.dtype, v.shape) and torch.equal(r, v), (i, k, r.dtype, v.dtype)
     full_store, res_store = full_plugin.training_state.extra_tensors(), plugin.training_state.extra_tensors()
     assert len(full_store) == len(res_store)
     for a, b in zip(full_store, res_store):
@@ -489,23 +514,29 @@ def test_ipex_absence_or_mismatch_falls_back_to_native_torch_with_a_warning(monk
     from lightning_horizon.precision.ipex import ipex_optimize
 
     fake = types.ModuleType("intel_extension_for_pytorch")
-    fake.__version__ = "2.8.0+cpu"
+    fake.__version__ = "1.13.0+cpu"  # no torch this project supports
     monkeypatch.setitem(sys.modules, "intel_extension_for_pytorch", fake)
     ipex, why = hp.ipex_status()
-    assert ipex is None and f"2.8.0+cpu does not match torch {torch.__version__}" in why
+    assert ipex is None and f"1.13.0+cpu does not match torch {torch.__version__}" in why
     opts = [torch.optim.SGD(model.parameters(), lr=0.1)]
     for backend, level in (("ipex", logging.WARNING), ("auto", logging.INFO)):  # asked for: a warning
         with precision_log() as records:
-            assert ipex_optimize(model, opts, backend, compatible=True) is opts
+            assert ipex_optimize(model, opts, backend, compatible=True, compute="bf16") is opts
         assert _fallbacks(records) == [(level, f"HorizonPrecision(backend={backend!r}): using native torch: {why}")]
 
     calls = []
     fake.__version__ = torch.__version__
     fake.optimize = lambda module, **kw: calls.append(kw) or (module, kw["optimizer"])
     model = TinyLM()
-    trainer(HorizonPrecision(backend="auto"), steps=2).fit(model, loader(16))
+    trainer(HorizonPrecision(backend="auto", compute="bf16"), steps=2).fit(model, loader(16))
     assert len(calls) == 1 and calls[0]["weights_prepack"] is True and "dtype" not in calls[0]
     assert len(model.losses) == 2
+    # fp32 compute (a CPU without native bf16): "auto" stays native, where IPEX measured no faster; "ipex" applies it
+    for backend, applied, level in (("auto", 1, logging.INFO), ("ipex", 2, None)):
+        with precision_log() as records:
+            trainer(HorizonPrecision(backend=backend, compute="fp32"), steps=1).fit(TinyLM(), loader(8))
+        assert len(calls) == applied
+        assert [lv for lv, _ in _fallbacks(records)] == ([level] if level else [])
 
 
 # ------------------------------------------------------------------------------------------------ DDP
@@ -703,3 +734,22 @@ def test_bf16_true_casts_float_inputs_and_default_dtype_only_with_bf16_compute(k
     trainer(HorizonPrecision(**kwargs), steps=1).fit(model, torch.utils.data.DataLoader(data, batch_size=8))
     assert model.seen_inputs == expected
     assert torch.get_default_dtype() == torch.float32  # nothing leaks out of the step
+
+
+@pytest.mark.skipif(hp.ipex_status()[0] is None,
+                    reason="needs intel_extension_for_pytorch with its own torch: `bash .ci/ipex` builds that environment")
+def test_ipex_for_real_trains_like_native_torch():
+    """With IPEX installed (bash .ci/ipex): backend="ipex" applies ipex.optimize (prepacked weights, its fused
+    AdamW) and trains the same model, tied embedding included, to native torch's losses within bf16 rounding."""
+    losses, lines = {}, {}
+    for backend in ("native", "ipex"):
+        model = TinyLM()
+        with precision_log() as records:
+            trainer(HorizonPrecision("bf16-mixed", backend=backend), steps=8).fit(model, loader(64))
+        losses[backend], lines[backend] = torch.tensor(model.losses), [r.getMessage() for r in records]
+        assert model.head.weight is model.emb.weight  # the tie survives the rewrite
+    ipex = hp.ipex_status()[0]
+    assert f"HorizonPrecision: ipex {ipex.__version__} optimize(weights_prepack=True)" in lines["ipex"]
+    assert not any("ipex" in m for m in lines["native"])
+    torch.testing.assert_close(losses["ipex"], losses["native"], rtol=2e-2, atol=0)
+    assert losses["ipex"][-1] < losses["ipex"][0] - 0.5  # it learns

@@ -2,8 +2,8 @@
 part on; NaN/Inf batches never reach the weights; memory pressure re-plans (a model that cannot fit fails at setup:
 tests/test_memory.py). docs/reliability.md holds the table the first test walks.
 
-The restart tests share four launches (one module fixture): two crashed runs of 2 processes and one of 4, then the
-resumed and uninterrupted runs of each, several fits per launch.
+The restart tests share one launch (one module fixture): it forks the ranks of five worlds in turn, two crashed runs
+of 2 processes and one of 4, then the resumed and uninterrupted runs of each, several fits per world.
 """
 
 from __future__ import annotations
@@ -204,18 +204,19 @@ def _run(name: str, work: Path, kind: str) -> dict:
 @pytest.fixture(scope="module")
 def restarts(tmp_path_factory):
     work = tmp_path_factory.mktemp("restarts")
-    crashes = {}
-
-    def launch(tag: str, runs: list[dict], check: bool):
-        cfg = work / f"{tag}.json"
-        cfg.write_text(json.dumps({"runs": runs}))
-        return run_script(RESTART, [cfg, work], timeout=150, check=check, env={"OMP_NUM_THREADS": "1"})
-
-    for name in SCENARIOS:
-        crashes[name] = launch(f"{name}_crash", [_run(name, work, "crash")], check=False)
-    two = [_run(n, work, k) for n in ("int8", "local_sgd") for k in ("resumed", "whole")]
-    launch("two", two, check=True)
-    launch("four", [_run("int8_4", work, k) for k in ("resumed", "whole")], check=True)
+    # one launch; each world is a fresh set of rank processes that the launch forks after its imports, in this order
+    worlds = [{"tag": f"{name}_crash", "devices": SCENARIOS[name][0], "runs": [_run(name, work, "crash")]}
+              for name in SCENARIOS]
+    worlds.append({"tag": "two", "devices": 2,
+                   "runs": [_run(n, work, k) for n in ("int8", "local_sgd") for k in ("resumed", "whole")]})
+    worlds.append({"tag": "four", "devices": 4, "runs": [_run("int8_4", work, k) for k in ("resumed", "whole")]})
+    cfg = work / "worlds.json"
+    cfg.write_text(json.dumps({"worlds": worlds}))
+    launched = run_script(RESTART, [cfg, work], timeout=750, env={"OMP_NUM_THREADS": "1"})
+    exits = {w["tag"]: w["exit"] for w in map(json.loads, (work / "exits.jsonl").read_text().splitlines())}
+    assert exits.keys() == {w["tag"] for w in worlds}, (exits, launched.stdout[-5000:])
+    assert exits["two"] == [0, 0] and exits["four"] == [0] * 4, (exits, launched.stdout[-5000:])
+    crashes = {name: (exits[f"{name}_crash"], (work / f"{name}_crash.log").read_text()) for name in SCENARIOS}
 
     def result(run: str, rank: int) -> tuple[dict, dict]:
         return (json.loads((work / f"{run}.rank{rank}.json").read_text()),
@@ -229,8 +230,9 @@ def restarts(tmp_path_factory):
 def test_crashed_run_resumes_bit_identically(restarts, name):
     crashes, result, _ = restarts
     devices, per_node, _, (victim, step), _, _ = SCENARIOS[name]
-    out = crashes[name].stdout
-    assert crashes[name].returncode != 0 and f"rank {victim} killed in step {step}" in out
+    exits, out = crashes[name]
+    # the victim died of its SIGKILL, every other rank ended (none went on as if nothing had happened)
+    assert exits[victim] == -9 and all(e != 0 for e in exits) and f"rank {victim} killed in step {step}" in out, exits
     assert f"lost: rank {victim} (node {victim // per_node})" in out, out[-3000:]
     finals = []
     for rank in range(devices):

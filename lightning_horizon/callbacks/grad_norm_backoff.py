@@ -10,7 +10,8 @@ optimizer touches a weight. That single point is used for everything:
    each node clips by its own norm, the decision below uses the world's);
 2. the decision: non-finite -> skip (every grad set to None, so torch optimizers leave weights, moments and step
    counts untouched) and back off; spike -> back off; otherwise count a healthy step and maybe recover;
-3. clipping to ``max_norm`` with :func:`lightning_horizon.gradnorm.clip_grads_` (by the node's norm);
+3. clipping to ``max_norm`` with :func:`lightning_horizon.gradnorm.clip_grads_` (by the node's norm, its coefficient
+   in the norm's dtype: float64 for float64 gradients, as ``torch.nn.utils.clip_grad_norm_``);
 4. the LR scale: every ``param_group["lr"]`` is multiplied by the scale here, just before the update, and put back
    to the exact value it had by a torch step post-hook, right after the update. Schedulers therefore only ever
    see their own lr -- LambdaLR/OneCycleLR (recompute from ``base_lrs``) and CosineAnnealingLR/LinearLR (build on
@@ -193,7 +194,8 @@ class GradNormBackoff(Callback):
         self._restore_lr(optimizer, only_if_mine=True)
 
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        norm, clip_norm = _agree_across_ranks(self._step_norm(trainer, params), *_node_of(trainer))
+        measured = self._step_norm(trainer, params)
+        norm, clip_norm = _agree_across_ranks(measured, *_node_of(trainer))
         st.steps += 1
         st.last_grad_norm = norm
         step = trainer.global_step
@@ -237,10 +239,13 @@ class GradNormBackoff(Callback):
                 _rank_zero(trainer, log.info, "GradNormBackoff: %d healthy steps at step %d: lr scale %.4g -> %.4g.",
                            self.recover_after, step, old, st.scale)
 
-        if self.max_norm is not None and clip_norm > self.max_norm:
+        # as clip_grad_norm_: scaled by max_norm / (norm + 1e-6) whenever that is below 1, so also a norm a hair
+        # under max_norm (a user's own clip to the same value first); clip_grads_ writes nothing otherwise
+        if self.max_norm is not None:
             state = getattr(trainer.strategy, "training_state", None)  # HorizonStrategy: out-of-core streams
             clip = state.clip if state is not None else clip_grads_
-            factor = clip(params, self.max_norm, torch.tensor(clip_norm, dtype=torch.float32))
+            # the norm's own dtype (float64 for float64 gradients, as clip_grad_norm_ computes its coefficient)
+            factor = clip(params, self.max_norm, torch.tensor(clip_norm, dtype=measured.dtype))
             _scale_error_feedback(trainer, params, factor)
         self._apply_lr_scale(optimizer, st.scale)
         self._log(trainer, pl_module, idx, st)
@@ -381,7 +386,7 @@ def _agree_across_ranks(norm: Tensor, node: int = 0, nodes: int = 1) -> tuple[fl
     DDP has averaged the gradients before this point, so the ranks of a node already agree; the all-reduce makes
     the decision identical by construction, even if a rank's gradients differ (e.g. unsynced parameters).
     """
-    value = norm.detach().float().reshape(())
+    value = norm.detach().double().reshape(())  # float64 holds an fp32 or a float64 norm exactly
     finite = bool(torch.isfinite(value))
     packed = torch.zeros(nodes, 3, dtype=torch.float64)
     packed[node] = torch.tensor([value.item() if finite else 0.0, float(bool(torch.isnan(value))),

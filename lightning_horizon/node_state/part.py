@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from lightning_horizon.node_state.accounting import state_bytes, table
 from lightning_horizon.node_state.broadcast_params import BroadcastParameters
-from lightning_horizon.node_state.clipping import GlobalNormClip, warn_direct_clipping
+from lightning_horizon.node_state.clipping import ShardedClipping, warn_direct_clipping
 from lightning_horizon.node_state.optimizers import check_optimizers
 from lightning_horizon.node_state.ownership import Bucket, plan_buckets
 from lightning_horizon.node_state.reduce import OwnerReduce
@@ -55,7 +55,7 @@ class NodeState(Part):
         # rank and are saved here, per rank (the checkpoint's precision state holds rank 0's)
         self._precision = precision if isinstance(precision, HorizonPrecision) else None
         self._rounding: Optional[dict[str, Any]] = None  # loaded, applied before the next optimizer step
-        self._clip: Optional[GlobalNormClip] = None
+        self._clip: Optional[ShardedClipping] = None
 
     def install(self) -> None:
         """Collective: every rank, at the same point of setup, before the optimizers and the precision connect."""
@@ -74,7 +74,7 @@ class NodeState(Part):
             opt = getattr(opt, "optimizer", opt)
             for p in [p for p in opt.state if not self.owns(p)]:
                 del opt.state[p]  # made eagerly (Adagrad's constructor); this rank never steps it
-        self._clip = GlobalNormClip(trainer.precision_plugin, self.training_state)
+        self._clip = ShardedClipping(trainer.precision_plugin, self.training_state)
         self._clip.install()
         warn_direct_clipping(module)
         for b in module.buffers():

@@ -4,6 +4,7 @@ weights."""
 
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 from typing import Any, Callable, Generator, Optional
 
@@ -12,7 +13,7 @@ from torch import Tensor
 from torch.nn import Module
 from torch.optim import LBFGS, Optimizer
 
-from lightning_horizon.precision.policy import STATE_VERSION, Policy, default_dtype
+from lightning_horizon.precision.policy import STATE_VERSION, Policy, default_dtype, per_element
 
 
 class Bf16TruePolicy(Policy):
@@ -24,6 +25,8 @@ class Bf16TruePolicy(Policy):
         super().__init__(*args, **kwargs)
         self._slots: list[tuple[Module, str]] = []  # where the fp32-compute forward swaps in upcast weights
         self._upcasting = False
+        self._load_hooked: "weakref.WeakSet[Optimizer]" = weakref.WeakSet()
+        self._loading: "weakref.WeakKeyDictionary[Optimizer, dict]" = weakref.WeakKeyDictionary()
 
     @property
     def precision(self) -> str:
@@ -72,6 +75,30 @@ class Bf16TruePolicy(Policy):
                 # keeps masters for the parameters it steps only
                 if p.dtype == torch.bfloat16 and self.training_state.owns(p):
                     self.register(opt, p)
+        if opt not in self._load_hooked:
+            opt.register_load_state_dict_pre_hook(self._before_load)
+            opt.register_load_state_dict_post_hook(self._after_load)
+            self._load_hooked.add(opt)
+
+    def _before_load(self, opt: Optimizer, state_dict: dict[str, Any]) -> None:
+        self._loading[opt] = state_dict
+
+    def _after_load(self, opt: Optimizer) -> None:
+        """torch's load casts every floating state tensor but ``step`` to its parameter's dtype, here bf16: state that
+        is not per element (ASGD's fp32 ``eta`` and ``mu``, Adafactor's factored variances) gets back the dtype it
+        was saved with, so that a resume is bitwise. Per-element state keeps the dtype the policy holds it in."""
+        saved = self._loading.pop(opt, None)
+        if saved is None:
+            return
+        ids = [i for g in saved["param_groups"] for i in g["params"]]
+        params = [p for g in opt.param_groups for p in g["params"]]
+        for i, p in zip(ids, params):
+            state = opt.state.get(p)
+            for k, v in saved["state"].get(i, {}).items():
+                x = state.get(k) if state is not None else None
+                if (isinstance(v, Tensor) and isinstance(x, Tensor) and v.is_floating_point()
+                        and x.dtype != v.dtype and not per_element(k, v, p)):
+                    state[k] = v.to(x.device, copy=True)
 
     def register(self, opt: Optimizer, p: Tensor) -> None:
         """Give the bf16 parameter ``p`` of ``opt`` its master in the training state (keeping a matching one)."""

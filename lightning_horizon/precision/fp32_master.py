@@ -3,7 +3,6 @@ bf16 weight after each step. The masters are registered in the training state, t
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, Callable, Optional
 
 import torch
@@ -21,10 +20,6 @@ class FP32MasterPolicy(Bf16TruePolicy):
 
     master = "fp32"
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._load_hooked: "weakref.WeakSet[Optimizer]" = weakref.WeakSet()
-
     def describe(self) -> str:
         return "weights bf16 + fp32 master, grads fp32 (master), optimizer state fp32"
 
@@ -36,13 +31,14 @@ class FP32MasterPolicy(Bf16TruePolicy):
         if p in opt.state:  # state between steps is kept under the module parameter, in fp32
             opt.state[p] = cast_state(opt.state[p], p, torch.float32)
 
-    def wrap_optimizer(self, opt: Optimizer) -> None:
-        super().wrap_optimizer(opt)
-        if opt not in self._load_hooked:
-            # torch casts loaded optimizer state to its parameter's dtype: load it while the fp32 masters stand in
-            opt.register_load_state_dict_pre_hook(lambda o, sd: self._swap_masters(o, True))
-            opt.register_load_state_dict_post_hook(lambda o: self._swap_masters(o, False))
-            self._load_hooked.add(opt)
+    def _before_load(self, opt: Optimizer, state_dict: dict[str, Any]) -> None:
+        # torch casts loaded optimizer state to its parameter's dtype: load it while the fp32 masters stand in
+        super()._before_load(opt, state_dict)
+        self._swap_masters(opt, True)
+
+    def _after_load(self, opt: Optimizer) -> None:
+        super()._after_load(opt)
+        self._swap_masters(opt, False)
 
     def step(self, optimizer: Optimizer, after_closure: Callable[[], None], kwargs: dict[str, Any]) -> Any:
         self._swap_masters(optimizer, True, grads=True)

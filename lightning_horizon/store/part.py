@@ -22,7 +22,7 @@ from lightning_horizon.store.config import StoreConfig
 from lightning_horizon.store.folder import FitFolder
 from lightning_horizon.store.probe import DiskBandwidth, disk_bandwidth, probe_size
 from lightning_horizon.store.reserve import describe, merge, state_kinds
-from lightning_horizon.store.step import StreamedStep, backward_step_conflicts
+from lightning_horizon.store.step import StreamedStep, backward_step_conflicts, check_optimizers
 from lightning_horizon.store.store import StateStore, io_counters
 from lightning_horizon.store.units import plan_units
 
@@ -81,6 +81,7 @@ class OutOfCore(Part):
         stepping in backward), reserve, probe, the layer-by-layer step, the plan table."""
         store = self.store
         assert store is not None and self.folder is not None
+        check_optimizers(optimizers)
         conflicts = backward_step_conflicts(trainer, optimizers, precision)
         if self.config.step == "in_backward" and conflicts:
             raise ValueError(f"StoreConfig(step='in_backward') cannot run this fit's optimizer step in backward:"

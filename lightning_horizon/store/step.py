@@ -19,11 +19,12 @@ own chunked step settles) step together, in one call. When the units step:
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
-from torch.optim import Optimizer
+from torch.optim import LBFGS, Optimizer
 from torch.optim.optimizer import _global_optimizer_pre_hooks
 
 from lightning_horizon.optim_parts import Part, step_in_parts
@@ -121,6 +122,31 @@ class StreamedStep:
             self.optimizer.__dict__["step"] = self._previous
 
 
+def check_optimizers(optimizers: list[Any]) -> None:
+    """Refuse, naming it, an optimizer whose step needs the closure: LBFGS evaluates forward and backward again
+    inside its step and moves all parameters along one direction of the whole model, where the streamed step runs the
+    closure once and then steps one unit at a time, each unit's state in memory only for its own step."""
+    for opt in optimizers:
+        opt = getattr(opt, "optimizer", opt)  # LightningOptimizer
+        if isinstance(opt, LBFGS) or _needs_closure(type(opt).step):
+            name = type(opt).__name__
+            raise ValueError(
+                f"HorizonStrategy(state_store=...) cannot step {name}: its step needs the closure (it may evaluate"
+                " forward and backward again inside the step, as LBFGS does), while the out-of-core store runs the"
+                " closure once and then steps the parameters layer by layer, streaming each layer's state in and"
+                f" out. Use state_store=None with {name}, or an optimizer that steps each parameter on its own (SGD,"
+                " Adam, AdamW, ...) with the store"
+            )
+
+
+def _needs_closure(step: Callable[..., Any]) -> bool:
+    try:
+        closure = inspect.signature(step).parameters.get("closure")
+    except (TypeError, ValueError):  # no signature to read (a builtin): torch's optimizers all have one
+        return False
+    return closure is not None and closure.default is inspect.Parameter.empty
+
+
 def backward_step_conflicts(trainer: Any, optimizers: list[Any], precision: Any) -> list[str]:
     """What keeps this fit's optimizer step out of backward (empty: nothing): whatever needs the whole gradient
     before the step, or runs between backward and the step."""
@@ -154,4 +180,4 @@ def backward_step_conflicts(trainer: Any, optimizers: list[Any], precision: Any)
     return out
 
 
-__all__ = ["StreamedStep", "backward_step_conflicts"]
+__all__ = ["StreamedStep", "backward_step_conflicts", "check_optimizers"]

@@ -132,6 +132,8 @@ def refused_examples() -> list[dict]:
         {**base, **sharded, "optimizer": {"name": "LBFGS", "kwargs": OPTIMIZERS["LBFGS"][0]}},
         {**base, "optimizer": {"name": "LBFGS", "kwargs": OPTIMIZERS["LBFGS"][0]}, "precision": "bf16-true+fp32",
          "sharding": "auto"},
+        {**base, "optimizer": {"name": "LBFGS", "kwargs": OPTIMIZERS["LBFGS"][0]}, "store": {"step": "auto",
+                                                                                          "prefetch": "read"}},
         {**base, "store": {"step": "in_backward", "prefetch": "read"}, "backoff": {"max_norm": 1.0}},
     ]
     assert [refusal(ex)[0] for ex in out] == [r[0] for r in REFUSED]
@@ -253,6 +255,8 @@ REFUSED: list[Refusal] = [
      lambda ex: ["state='node_sharded'", "LBFGS"], "setup", "node_state.md"),
     ("bf16-true with LBFGS", lambda ex: ex["precision"].startswith("bf16-true") and ex["optimizer"]["name"] == "LBFGS",
      lambda ex: ["mode='bf16-true'", "LBFGS"], "setup", "precision.md"),
+    ("store with LBFGS", lambda ex: ex["store"] is not None and ex["optimizer"]["name"] == "LBFGS",
+     lambda ex: ["state_store=", "LBFGS"], "setup", "out_of_core.md"),
     ("store step in backward with what needs the whole gradient",
      lambda ex: ex["store"] is not None and ex["store"]["step"] == "in_backward" and bool(_in_backward_conflicts(ex)),
      lambda ex: ["step='in_backward'", *_in_backward_conflicts(ex)], "setup", "out_of_core.md"),

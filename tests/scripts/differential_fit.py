@@ -81,8 +81,10 @@ def strategy_of(spec: dict) -> Any:
     ex = spec["ex"]
     unused = needs_unused(ex) and not (ex["state"] == "node_sharded" and ex["rpn"] > 1)
     if spec["engine"] == "ddp":
+        # the same buckets as horizon's: gloo's sum order over an element follows its bucket's size, and a
+        # gradient that is rounding noise (a bias feeding BatchNorm) carries the order into the weights
         return DDPStrategy(find_unused_parameters=needs_unused(ex), process_group_backend="gloo",
-                           timeout=timedelta(seconds=60))
+                           timeout=timedelta(seconds=60), bucket_cap_mb=ex["bucket_mb"])
     kwargs: dict = {"ranks_per_node": ex["rpn"], "threads_per_rank": 1, "timeout": 60,
                     "bucket_size_mb": ex["bucket_mb"], "state": ex["state"], "collectives": ex["collectives"],
                     "sharding": sharding_of({"sharding": ex["sharding"]})}

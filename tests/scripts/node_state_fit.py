@@ -1,23 +1,31 @@
-"""Fits of tests/test_node_state.py's checks against Lightning's "ddp": python node_state_fit.py CONFIG.json OUT_DIR
+"""The fits of tests/test_node_state.py, one launch per group: python node_state_fit.py CONFIG.json OUT_DIR
 
-CONFIG holds {"runs": [{...}, ...]}, all with the same number of processes; every rank runs them in order
-(Lightning's launcher re-executes this script for the other local ranks; later fits reuse the processes and the
-process group). A run is
+CONFIG holds {"memory": [STATE, DIR]|null, "composition": [CONFIG.json, DIR]|null, "runs": [{...}, ...]}, all with
+the same number of processes; every rank runs them in this order, in the same processes (Lightning's launcher
+re-executes this script for the other local ranks; later fits reuse the processes and the process group):
+
+* ``memory``: tests/scripts/node_state_memory.py's fit (4 ranks), first, while the processes are fresh: what it
+  measures is the growth from before its model exists;
+* ``composition``: the runs of a tests/scripts/composition_fit.py config, written to its DIR as that script writes
+  them (an unexpected error there ends the launch);
+* ``runs``: the checks against Lightning's "ddp", written to OUT_DIR. A run is
 
     {"name": ..., "world": 2|4, "strategy": "ddp" | {HorizonStrategy kwargs, e.g. "state", "ranks_per_node"},
      "precision": "64-true" | {HorizonPrecision kwargs}, "optimizer": "AdamW"|"Adagrad", "manual": bool,
-     "clip": null|"trainer-norm"|"trainer-value"|"configure"|"manual"|"manual-torch", "steps": N,
+     "clip": null|"trainer-norm"|"trainer-value"|"configure"|"configure-value"|"manual"|"manual-torch", "steps": N,
      "resume_from": PATH|null, "after_fit": bool}
 
 ``clip``: ``Trainer(gradient_clip_val=CLIP_NORM)`` (norm) or ``Trainer(gradient_clip_val=CLIP_VALUE,
 gradient_clip_algorithm="value")``; ``configure``: ``self.clip_gradients(opt, CLIP_NORM, "norm")`` in
-``configure_gradient_clipping``; ``manual``: the same call in a manual training_step; ``manual-torch``:
+``configure_gradient_clipping`` (``configure-value``: ``self.clip_gradients(opt, CLIP_VALUE, "value")``);
+``manual``: the same norm call in a manual training_step; ``manual-torch``:
 ``torch.nn.utils.clip_grad_norm_(self.parameters(), CLIP_NORM)`` there. An epoch is ``steps`` steps.
 
 Checkpoints: OUT_DIR/NAME/end.ckpt (ModelCheckpoint at the last step, during fit), OUT_DIR/NAME/after.ckpt
 (``trainer.save_checkpoint`` after fit), and with ``after_fit`` OUT_DIR/NAME/after-eval.ckpt (saved again after
 ``trainer.validate``, ``test`` and ``predict``). Each rank writes OUT_DIR/NAME.rank{R}.pt: the final weights, this
-rank's optimizer state, the warnings raised, the evaluation results, or the error.
+rank's optimizer state, how many parameters held a gradient at the last step, the warnings raised, the evaluation
+results, or the error. The strategy's 512-byte buckets can be overridden in ``strategy`` (``bucket_size_mb``).
 """
 
 from __future__ import annotations
@@ -57,6 +65,7 @@ class Tiny(L.LightningModule):
                                  nn.Tanh(), nn.Linear(16, 3))
         self.run = run
         self.automatic_optimization = not run.get("manual")
+        self.held = 0  # parameters holding a gradient at the last step, before clipping (node-sharded: the owned)
 
     def loss(self, batch):
         x, y = batch
@@ -75,9 +84,14 @@ class Tiny(L.LightningModule):
         if self.run.get("clip") == "manual":
             self.clip_gradients(opt, gradient_clip_val=CLIP_NORM, gradient_clip_algorithm="norm")
 
+    def on_before_optimizer_step(self, optimizer):
+        self.held = sum(p.grad is not None for p in self.parameters())
+
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
         if self.run.get("clip") == "configure":
             self.clip_gradients(optimizer, gradient_clip_val=CLIP_NORM, gradient_clip_algorithm="norm")
+        elif self.run.get("clip") == "configure-value":
+            self.clip_gradients(optimizer, gradient_clip_val=CLIP_VALUE, gradient_clip_algorithm="value")
         else:
             super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
@@ -116,7 +130,7 @@ def strategy_of(run: dict):
     if run["strategy"] == "ddp":  # Lightning's own
         return DDPStrategy(timeout=timedelta(seconds=45))
     # 512-byte buckets: several per rank, in float64 and in bf16 alike
-    return HorizonStrategy(threads_per_rank=1, timeout=45, bucket_size_mb=0.0005, **run["strategy"])
+    return HorizonStrategy(**{"threads_per_rank": 1, "timeout": 45, "bucket_size_mb": 0.0005, **run["strategy"]})
 
 
 def precision_args(run: dict) -> dict:
@@ -157,6 +171,7 @@ def fit(run: dict, out: Path) -> dict:
         "global_step": trainer.global_step,
         "final": {n: p.detach().clone() for n, p in model.named_parameters()},
         "opt_state": trainer.optimizers[0].state_dict()["state"],
+        "held": model.held,
         "warnings": [str(w.message) for w in caught],
         "evaluated": evaluated,
         "error": None,
@@ -165,8 +180,18 @@ def fit(run: dict, out: Path) -> dict:
 
 def main(config: str, out_dir: str) -> None:
     out = Path(out_dir)
+    cfg = json.loads(Path(config).read_text())
+    # imported here, not at the top: the memory fit's processes hold what its own script would, no more
+    if cfg.get("memory"):
+        from tests.scripts.node_state_memory import main as measure_memory
+
+        measure_memory(*cfg["memory"])
+    if cfg.get("composition"):
+        from tests.scripts.composition_fit import main as composition
+
+        composition(*cfg["composition"])
     rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
-    for run in json.loads(Path(config).read_text())["runs"]:
+    for run in cfg["runs"]:
         try:
             result = fit(run, out)
         except Exception as err:  # recorded for the test; every rank fails alike at setup (or times out at 45 s)

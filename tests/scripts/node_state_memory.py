@@ -1,4 +1,5 @@
-"""One fit in fresh processes, for the node-sharded memory test: python node_state_memory.py STATE OUT_DIR
+"""One fit in fresh processes, for the node-sharded memory test: python node_state_memory.py STATE OUT_DIR (the tests
+run it as the first fit of a tests/scripts/node_state_fit.py launch, whose later fits reuse the processes)
 
 4 ranks on one node, an MLP of ~3.2M parameters (fp32, AdamW), 3 steps, 256 KiB buckets (the in-flight buffers,
 a few buckets per rank, stay small beside the state). Each rank writes OUT_DIR/rank{R}.json with

@@ -3,14 +3,25 @@
 ``Partial``: a stack of units with parameters that get no gradient in some micro-batches; ``accumulated_fit``
 trains it with gradient accumulation and returns its weights.
 
-``python out_of_core_fits.py FOLDER ROLE SYNC OUT``: one fit of ``Partial("linear", (0, 1), unused=False)`` with its
-store in ``FOLDER``, a folder another process's fit uses at the same time: ROLE ``first`` waits, at its first batch,
-until ``second`` has set up its store there, trains and tears down, then lets ``second`` (waiting at its first batch)
-train. SYNC is a folder for the two processes' marks; OUT gets the weights, the losses and the error (``None``).
+``shared_fit(FOLDER, ROLE, SYNC)``: one fit of ``Partial("linear", (0, 1), unused=False)`` with its store in
+``FOLDER``, a folder another process's fit uses at the same time: ROLE ``first`` waits, at its first batch, until
+``second`` has set up its store there, trains and tears down, then lets ``second`` (waiting at its first batch) train.
+SYNC is a folder for the two processes' marks.
+
+``python out_of_core_fits.py JOBS.json OUT_DIR``: the test's multi-process jobs in one launch, one after another, each
+in processes forked from this one after its imports (tests/scripts/forked_worlds.py). JOBS holds {"jobs": [...]}:
+``{"tag": T, "devices": N, "config": CONFIG}``, a world of N ranks running tests/scripts/composition_fit.py's
+``CONFIG`` (in OUT_DIR), or ``{"tag": T, "shared": {"folder": F, "sync": S, "out": {ROLE: PATH}}}``, the two roles of
+``shared_fit`` at once, each in a process of its own saving its weights, losses and error (``None``) to PATH. Each
+job's processes write their output to OUT_DIR/T.log; when they have ended, this process appends
+``{"tag": T, "exit": [exit status per process]}`` (-9: SIGKILL) to OUT_DIR/exits.jsonl and prints the log.
 """
 
 from __future__ import annotations
 
+import functools
+import json
+import os
 import sys
 import time
 import traceback
@@ -87,8 +98,9 @@ class StepsInBackward(L.Callback):
 
 def accumulated_fit(tmp: Path, model: L.LightningModule, store: Any, callbacks=()) -> dict[str, Tensor]:
     L.seed_everything(3, verbose=False)
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=HorizonStrategy(state_store=store), max_steps=3,
-                        accumulate_grad_batches=2, logger=False, enable_checkpointing=False,
+    # one intra-op thread: two on a loaded 2-core machine spin far more than they compute
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=HorizonStrategy(state_store=store, threads_per_rank=1),
+                        max_steps=3, accumulate_grad_batches=2, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp),
                         callbacks=list(callbacks))
     trainer.fit(model)
@@ -119,13 +131,12 @@ class Turns(L.Callback):
             _wait(self.sync / ("second-ready" if self.role == "first" else "first-done"))
 
 
-def main(folder: str, role: str, sync: str, out: str) -> None:
-    torch.set_num_threads(1)
+def shared_fit(folder: str | Path, role: str, sync: str | Path) -> dict[str, Any]:
     marks = Path(sync)
     model = Partial("linear", (0, 1), unused=False)
     result: dict[str, Any] = {"error": None}
     try:
-        result["weights"] = accumulated_fit(marks / role, model, StoreConfig(path=folder, probe_bytes=0),
+        result["weights"] = accumulated_fit(marks / role, model, StoreConfig(path=str(folder), probe_bytes=0),
                                             [Turns(role, marks)])
         result["losses"] = model.losses
     except Exception as err:  # recorded for the test, which asserts on it
@@ -133,8 +144,31 @@ def main(folder: str, role: str, sync: str, out: str) -> None:
     finally:
         if role == "first":
             (marks / "first-done").touch()
-    torch.save(result, out)
+    return result
+
+
+def shared_role(folder: str, role: str, sync: str, out: str) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"  # a forked process: OpenMP has not started yet
+    torch.set_num_threads(1)
+    torch.save(shared_fit(folder, role, sync), out)
+
+
+def main(jobs: str, out_dir: str) -> None:
+    from tests.scripts import composition_fit, forked_worlds  # imported before any fork: paid once
+
+    out = Path(out_dir)
+    for job in json.loads(Path(jobs).read_text())["jobs"]:
+        log = out / f"{job['tag']}.log"
+        if "shared" in job:
+            shared = job["shared"]
+            exits = forked_worlds.run_forked(
+                [functools.partial(shared_role, shared["folder"], role, shared["sync"], path)
+                 for role, path in shared["out"].items()], log)
+        else:
+            exits = forked_worlds.world(job["devices"], functools.partial(composition_fit.main, job["config"],
+                                                                          out_dir), log)
+        forked_worlds.record(out, job["tag"], exits, log)
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    main(sys.argv[1], sys.argv[2])

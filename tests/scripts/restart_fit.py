@@ -1,7 +1,11 @@
 """Crash and exact restart with every part on: python restart_fit.py CONFIG.json OUT_DIR
 
-CONFIG holds {"runs": [{...}, ...]}; every rank runs them in order (Lightning's launcher re-executes this script
-for the other local ranks; later fits reuse the processes and the process group). A run is
+CONFIG holds {"worlds": [{"tag": ..., "devices": N, "runs": [{...}, ...]}, ...]}. The worlds run one after another,
+each a set of N fresh rank processes that run its runs in order (later fits reuse the processes and the process
+group). This process forks every world's ranks from itself after its imports (tests/scripts/forked_worlds.py): the
+imports are paid once, not once per rank and world. A world's ranks write their output to OUT_DIR/TAG.log; when they
+have all ended, this process appends ``{"tag": TAG, "exit": [exit status per rank]}`` (-9: SIGKILL) to
+OUT_DIR/exits.jsonl and prints the log. A run is
 
     {"name": ..., "devices": 2|4, "ranks_per_node": 1|2, "strategy": {HorizonStrategy kwargs},
      "precision": {HorizonPrecision kwargs}, "max_steps": N, "samples": S, "ckpt_dir": DIR, "resume": bool,
@@ -25,6 +29,7 @@ bit for bit by the test).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -39,6 +44,12 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_horizon import GradNormBackoff, HorizonPrecision, HorizonStrategy
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from tests.scripts import forked_worlds  # noqa: E402
 
 FEATURES, HIDDEN, CLASSES, BATCH = 24, 72, 10, 8
 
@@ -141,9 +152,17 @@ def fit(run: dict, out: Path) -> None:
     torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, out / f"{run['name']}.rank{rank}.pt")
 
 
-def main(config: str, out: str) -> None:
-    for run in json.loads(Path(config).read_text())["runs"]:
-        fit(run, Path(out))
+def fit_all(runs: list[dict], out: Path) -> None:
+    for run in runs:
+        fit(run, out)
+
+
+def main(config: str, out_dir: str) -> None:
+    out = Path(out_dir)
+    for world in json.loads(Path(config).read_text())["worlds"]:
+        log = out / f"{world['tag']}.log"
+        exits = forked_worlds.world(world["devices"], functools.partial(fit_all, world["runs"], out), log)
+        forked_worlds.record(out, world["tag"], exits, log)
 
 
 if __name__ == "__main__":

@@ -252,8 +252,5 @@ def allocator() -> Optional[str]:
 #: defaults hand pages back to the OS and fault them in again every step (docs/benchmarks.md: least RSS, slowest)
 JEMALLOC_CONF = ("oversize_threshold:1,background_thread:true,metadata_thp:auto,dirty_decay_ms:-1,"
                  "muzzy_decay_ms:-1")
-ALLOCATOR_HINT = (
-    "no jemalloc/tcmalloc preloaded: glibc malloc fragments under training's allocation pattern; for speed and"
-    " less RSS try `apt-get install libjemalloc2`, LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libjemalloc.so.2 and"
-    f" MALLOC_CONF={JEMALLOC_CONF}"
-)
+# one short line in the startup table; the commands are in docs/strategy.md#allocator
+ALLOCATOR_HINT = "glibc malloc: jemalloc with our settings keeps less memory, see docs/strategy.md#allocator"

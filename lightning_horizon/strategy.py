@@ -144,8 +144,8 @@ class HorizonStrategy(CheckpointParts, DDPStrategy):
         seconds = check_arguments(
             ranks_per_node=ranks_per_node, bucket_size_mb=bucket_size_mb, timeout=timeout,
             process_group_backend=process_group_backend, pin_cores=pin_cores, threads_per_rank=threads_per_rank,
-            checkpoint_io=checkpoint_io, collectives_changed=self.collectives_config != CollectivesConfig(),
-            collectives=collectives, kwargs=kwargs, named=set(inspect.signature(HorizonStrategy.__init__).parameters),
+            checkpoint_io=checkpoint_io, collectives_changed=self.collectives_config.changed(),
+            kwargs=kwargs, named=set(inspect.signature(HorizonStrategy.__init__).parameters),
         )
         super().__init__(
             accelerator=accelerator,

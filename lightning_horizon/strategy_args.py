@@ -71,17 +71,16 @@ def check_arguments(
     pin_cores: Any,
     threads_per_rank: Any,
     checkpoint_io: Any,
-    collectives_changed: bool,
-    collectives: Any,
+    collectives_changed: list[str],
     kwargs: dict[str, Any],
     named: set[str],
 ) -> float:
     """Raise ValueError for the first bad argument; return the timeout in seconds. ``named``: the strategy's own
-    parameter names (never extra keywords); ``collectives_changed``: a collectives option is not at its default."""
+    parameter names (never extra keywords); ``collectives_changed``: the collectives options away from their defaults, as arguments."""
     check_ranks_per_node(ranks_per_node)
     if kwargs.get("ddp_comm_hook") is not None and collectives_changed:
         raise ValueError(
-            f"ddp_comm_hook={kwargs['ddp_comm_hook']!r} with collectives={collectives!r}: give either your own"
+            f"ddp_comm_hook={kwargs['ddp_comm_hook']!r} with {', '.join(collectives_changed)}: give either your own"
             " hook or the collectives options, not both"
         )
     require(is_number(bucket_size_mb, 0), OWNER, "bucket_size_mb", bucket_size_mb,

@@ -4,7 +4,11 @@
     python -m lightning_horizon.tune --layouts 1x2,2x1 recipes/pretrain_gpt.py --config recipes/configs/tiny.yaml
 
 The script is a LightningCLI program training with HorizonStrategy (``--trainer.strategy.threads_per_rank``)
-whose datamodule takes the per-rank batch as ``--data.batch_size`` (``--batch-arg`` names another). For each
+whose datamodule takes the per-rank batch as ``--data.batch_size`` (``--batch-arg`` names another); with
+subcommands (``fit`` runs) or ``LightningCLI(run=False)`` (the script calls ``fit`` itself). Before anything runs,
+the tuner reads the script's configuration with the user's arguments (``--print_config``) and refuses, naming
+what it needs, a script that is not such a program, trains with another strategy or has no batch option; a
+strategy given by name (``horizon``) is passed on as its class path. For each
 layout ``R x T`` (:func:`lightning_horizon.layout.candidates`, or ``--layouts``) the tuner starts the script's
 ``fit`` in a fresh process group with ``--trainer.devices R --trainer.strategy.threads_per_rank T``, the global
 batch split over the R ranks, ``--warmup + --steps`` steps and no validation; Lightning's launcher starts the
@@ -13,7 +17,8 @@ writes rank 0's step-end times and every rank's peak RSS (``VmHWM``). A layout's
 measured steps; the winner is the fastest, or, within ``--tolerance`` of it, the one with fewest ranks (each rank
 replicates the model). A layout whose memory, predicted from the most-ranked layout measured before it (per-rank
 peak x ranks), exceeds the node's free memory is refused, and a failed run is reported, not fatal (when none ran,
-the tuner exits 1 with each one's failure; a bad flag or a missing script exits 2 before any runs). The winner is
+the tuner exits 1 with each one's failure; a bad flag, a missing script or a script of another shape exits 2
+before any layout runs). The winner is
 cached (layout_cache.py) under the workload the worker reports, where the script's automatic layout finds it
 (recipes/pretrain_gpt.py), and the table shows what the rule (layout.rule_layout) would have taken instead.
 """
@@ -40,6 +45,7 @@ from lightning_horizon.cpu import machine_busy_seconds
 from lightning_horizon.checks import is_int, is_number, require
 from lightning_horizon.layout import Layout, Machine, candidates, model_sizes, rule_layout, workload
 from lightning_horizon.memory.probe import node_free_memory, peak_rss
+from lightning_horizon.tune_script import ScriptShapeError, inspect_script
 
 OUT_ENV, WARMUP_ENV = "HORIZON_TUNE_OUT", "HORIZON_TUNE_WARMUP"
 # a worker starts as from a clean shell: no launcher state, no thread counts, no layout an outer run chose
@@ -290,17 +296,23 @@ def table(results: Sequence[Result], winner: Optional[Result]) -> str:
     return "\n".join(lines)
 
 
-def script_command(script: str, script_args: Sequence[str], steps: int,
-                   batch_arg: str = "data.batch_size") -> Callable[[Layout, Optional[int], Path], list[str]]:
-    """The worker command for a LightningCLI ``script``: its ``fit`` with the layout, ``steps`` steps, no
-    validation, its files under the run's temporary folder, and the :class:`StepTimer` callback."""
+def script_command(script: str, script_args: Sequence[str], steps: int, batch_arg: str = "data.batch_size",
+                   subcommand: bool = True,
+                   strategy_args: Sequence[str] = ()) -> Callable[[Layout, Optional[int], Path], list[str]]:
+    """The worker command for a LightningCLI ``script``: its ``fit`` (``subcommand``; else a ``run=False`` script,
+    which calls fit itself) with the layout, ``steps`` steps, no validation, its files under the run's temporary
+    folder, and the :class:`StepTimer` callback; ``strategy_args`` (``tune_script.inspect_script``) come first."""
     args = list(script_args)
-    if not args or args[0] != "fit":
-        args = ["fit", *args]
+    if args and args[0] == "fit":
+        args = args[1:]
+    head = ["fit"] if subcommand else []
+    # a run=False script may test or predict after its fit: nothing to measure there
+    tail = [] if subcommand else ["--trainer.limit_test_batches", "0", "--trainer.limit_predict_batches", "0"]
+
     def command(lay: Layout, per_rank_batch: Optional[int], run_dir: Path) -> list[str]:
-        cmd = [sys.executable, script, *args, "--trainer.devices", str(lay.ranks),
+        cmd = [sys.executable, script, *head, *args, *strategy_args, "--trainer.devices", str(lay.ranks),
                "--trainer.strategy.threads_per_rank", str(lay.threads), "--trainer.max_steps", str(steps),
-               "--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps", "0",
+               "--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps", "0", *tail,
                "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(run_dir),
                "--trainer.callbacks+=lightning_horizon.tune.StepTimer"]  # not __module__: "__main__" under -m
         return cmd + ([f"--{batch_arg}", str(per_rank_batch)] if per_rank_batch is not None else [])
@@ -346,8 +358,8 @@ def _script(text: str) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> Result:
-    """The command line (see the module's docstring): a bad flag or a missing script exits 2 before any layout runs;
-    when no layout ran, it exits 1 with each one's failure."""
+    """The command line (see the module's docstring): a bad flag, a missing script or one the tuner cannot run exits
+    2 before any layout runs; when no layout ran, it exits 1 with each one's failure."""
     p = argparse.ArgumentParser(prog="python -m lightning_horizon.tune", description=__doc__.split("\n\n")[0],
                                 epilog="everything after SCRIPT goes to the script (LightningCLI arguments)")
     p.add_argument("--layouts", type=_layouts, default="all",
@@ -372,9 +384,17 @@ def main(argv: Optional[list[str]] = None) -> Result:
     a = p.parse_args(argv)
     machine = Machine.here()
     layouts = candidates(machine.cores, machine.domains) if a.layouts == "all" else a.layouts
+    try:
+        shape = inspect_script(a.script, a.script_args, a.batch_arg if any(x.ranks > 1 for x in layouts) else None,
+                               clean_env(), min(a.timeout, 300))
+    except ScriptShapeError as e:
+        print(f"tune: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     print(f"tune: {a.script} {' '.join(a.script_args)} | {machine.describe()} | layouts"
           f" {', '.join(map(str, sorted(layouts)))} | {a.warmup} warm-up + {a.steps} measured steps each", flush=True)
-    results = tune(script_command(a.script, a.script_args, a.warmup + a.steps, a.batch_arg), layouts,
+    command = script_command(a.script, a.script_args, a.warmup + a.steps, a.batch_arg, shape.subcommand,
+                             shape.strategy_args)
+    results = tune(command, layouts,
                    warmup=a.warmup, steps=a.steps, timeout=a.timeout, retries=a.retries,
                    max_foreign=a.max_foreign, global_batch=a.batch,
                    progress=lambda s: print(s, flush=True))

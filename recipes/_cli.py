@@ -4,13 +4,39 @@ automatic layout."""
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any, Optional
 
 import torch
 from jsonargparse import Namespace
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 log = logging.getLogger("lightning_horizon.recipes")
 HORIZON_STRATEGY = ("lightning_horizon.HorizonStrategy", "lightning_horizon.strategy.HorizonStrategy")
+
+
+class FitByDefaultParser(LightningArgumentParser):
+    """LightningCLI's parser, where no subcommand means ``fit`` (and ``--help`` does not call one required).
+
+    Pass it as ``LightningCLI(parser_class=FitByDefaultParser)``. Only the top-level parser, the one with
+    subcommands, inserts ``fit``; ``-h``/``--help`` without a subcommand shows the subcommands, as before.
+    """
+
+    _fit_by_default = False
+
+    def add_subcommands(self, required: bool = True, dest: str = "subcommand", **kwargs: Any) -> Any:
+        self._fit_by_default = True
+        kwargs.setdefault("description", f"No subcommand means fit: `python {self.prog}` trains with the defaults,"
+                          f" `python {self.prog} --config x.yaml` is `python {self.prog} fit --config x.yaml`. For"
+                          " the options of one, add it followed by --help.")
+        return super().add_subcommands(required=False, dest=dest, **kwargs)
+
+    def parse_args(self, args: Optional[Any] = None, *rest: Any, **kwargs: Any) -> Any:
+        given = sys.argv[1:] if args is None else args
+        if (self._fit_by_default and isinstance(given, (list, tuple))
+                and not set(given) & {*LightningCLI.subcommands(), "-h", "--help"}):
+            args = ["fit", *given]
+        return super().parse_args(args, *rest, **kwargs)
 
 
 def horizon_precision_default() -> Optional[dict]:
@@ -37,6 +63,15 @@ def drop_unset_ddp_args(strategy: Any) -> None:
             del init_args[name]
 
 
+def horizon_class_path(strategy: Any) -> Any:
+    """A registered name of HorizonStrategy (``--trainer.strategy=horizon``) as its class path with the name's
+    settings, so that the layout can be set on it; any other strategy as it is."""
+    from lightning_horizon.tune_script import horizon_name_settings
+
+    settings = horizon_name_settings(strategy)
+    return strategy if settings is None else Namespace(class_path=HORIZON_STRATEGY[0], init_args=Namespace(**settings))
+
+
 def csv_logger_under(cfg: Any, root: str) -> None:
     """Make the default logger (``None``/``True``) a CSVLogger writing under ``root``/logs."""
     if cfg.trainer.logger in (None, True):
@@ -52,7 +87,7 @@ def auto_layout(cfg: Any, module_class: type, script: str) -> Optional[str]:
     the training (the seeded sampler gives two ranks of 8 what one rank of 16 sees). The layout is
     ``lightning_horizon.layout_cache.choose``'s for the module built from ``cfg.model`` on the meta device.
     """
-    strategy = cfg.trainer.strategy
+    strategy = cfg.trainer.strategy = horizon_class_path(cfg.trainer.strategy)
     init = getattr(strategy, "init_args", None)
     if (cfg.trainer.devices != "auto" or getattr(strategy, "class_path", None) not in HORIZON_STRATEGY
             or init is None or init.get("threads_per_rank") is not None):

@@ -6,6 +6,9 @@
 Configs: Lightning's fp32 ("32-true") and "bf16-mixed", then HorizonPrecision's "auto" (and "auto" with compute
 forced to fp32: what "auto" runs on CPUs without native bf16), bf16-true with an fp32 master and with Kahan
 compensation (compute "auto"), and bf16-true + kahan with compute forced to fp32 (bf16-true on such CPUs).
+Where intel_extension_for_pytorch is installed with its torch (``bash .ci/ipex`` builds that environment),
+HorizonPrecision's "bf16-mixed" with ``backend="native"`` and with ``backend="ipex"`` (ipex.optimize: prepacked
+weights, its fused AdamW) join the default configs; asking for the IPEX one without IPEX is an error.
 Each round runs every config for ``--steps`` timed steps (after ``--warmup``), so machine noise hits all
 configs alike; the median step over all rounds gives tokens/s, "spread" the (max - min) / median of the
 per-round medians. On a shared machine ``--threads 1`` is much steadier.
@@ -34,7 +37,7 @@ from gpt import GPT, GPTConfig
 from lightning_horizon import cpu
 from lightning_horizon.memory.probe import current_rss, peak_rss, reset_peak_rss
 from lightning_horizon.memory import bytes_per_param, held_bytes
-from lightning_horizon.precision import HorizonPrecision
+from lightning_horizon.precision import HorizonPrecision, ipex_status
 
 
 class LitGPT(L.LightningModule):
@@ -81,12 +84,16 @@ CONFIGS = {
     "horizon bf16-true kahan compute=fp32": lambda: {
         "plugins": [HorizonPrecision("bf16-true", master="kahan", compute="fp32")]
     },
+    "horizon bf16-mixed native": lambda: {"plugins": [HorizonPrecision("bf16-mixed", backend="native")]},
+    "horizon bf16-mixed ipex": lambda: {"plugins": [HorizonPrecision("bf16-mixed", backend="ipex")]},
 }
+IPEX_CONFIGS = ("horizon bf16-mixed native", "horizon bf16-mixed ipex")
 ANALYTIC = {"fp32 (32-true)": ("fp32", None), "lightning bf16-mixed": ("bf16-mixed", None),
             "horizon auto": ("auto", None), "horizon auto, compute=fp32 (as on AVX2)": ("auto", None),
             "horizon bf16-true fp32-master": ("bf16-true", "fp32"),
             "horizon bf16-true kahan": ("bf16-true", "kahan"),
-            "horizon bf16-true kahan compute=fp32": ("bf16-true", "kahan")}
+            "horizon bf16-true kahan compute=fp32": ("bf16-true", "kahan"),
+            "horizon bf16-mixed native": ("bf16-mixed", None), "horizon bf16-mixed ipex": ("bf16-mixed", None)}
 
 
 def run_one(name: str, args: argparse.Namespace, data: torch.Tensor) -> Probe:
@@ -128,9 +135,13 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="1 is steadier on a shared machine")
-    ap.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
+    ipex, why = ipex_status()
+    default = [n for n in CONFIGS if ipex is not None or n not in IPEX_CONFIGS]
+    ap.add_argument("--configs", nargs="*", default=default, choices=list(CONFIGS))
     ap.add_argument("--rss-of", choices=list(CONFIGS), help=argparse.SUPPRESS)  # the child that measures peak RSS
     args = ap.parse_args()
+    if ipex is None and "horizon bf16-mixed ipex" in args.configs:
+        ap.error(f"--configs 'horizon bf16-mixed ipex' needs IPEX: {why}")
     torch.set_num_threads(args.threads)
     data = markov_tokens(args.batch * (args.warmup + args.steps), args.seq, args.vocab)
     if args.rss_of:
@@ -140,7 +151,8 @@ def main() -> None:
         run_one(args.rss_of, args, data)
         print(f"RSS {peak_rss() - base}")
         return
-    print(f"ISA: {cpu.isa().description}; native bf16: {cpu.isa().native_bf16}; torch {torch.__version__}; threads {args.threads}")
+    print(f"ISA: {cpu.isa().description}; native bf16: {cpu.isa().native_bf16}; torch {torch.__version__}; "
+          f"IPEX: {ipex.__version__ if ipex is not None else why}; threads {args.threads}")
 
     results: dict[str, list[Probe]] = {name: [] for name in args.configs}
     for r in range(args.rounds):

@@ -40,7 +40,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from torchmetrics.text import Perplexity
 
-from _cli import auto_layout, csv_logger_under, drop_unset_ddp_args, horizon_precision_default
+from _cli import FitByDefaultParser, auto_layout, csv_logger_under, drop_unset_ddp_args, horizon_precision_default
 from gpt import GPT, GPTConfig
 from lm_data import VOCAB_SIZE, ByteCorpusDataModule
 from report import TrainingReport
@@ -195,6 +195,10 @@ class HorizonCLI(LightningCLI):
             "checkpoint.save_last": True,
             "checkpoint.every_n_train_steps": 200,
             "checkpoint.save_top_k": 0,  # last.ckpt only: the recipe resumes, it does not select
+            # the monitors log every trainer.log_every_n_steps (10); a summary line each every 50 steps is plenty
+            "throughput.summary_every_n_steps": 50,
+            "memory.summary_every_n_steps": 50,
+            "comm.summary_every_n_steps": 50,
         })
 
     def before_instantiate_classes(self) -> None:
@@ -211,10 +215,9 @@ class HorizonCLI(LightningCLI):
 
 
 def main(args: Optional[list[str]] = None, run: bool = True) -> HorizonCLI:
-    """Parse ``args`` (``None``: the command line), build model, data and Trainer, and run the subcommand (with
-    ``run=False``: only build them; ``args`` then has no subcommand)."""
-    # no arguments at all is the README job: `python recipes/pretrain_gpt.py` trains with the defaults
-    argv = (["fit"] if len(sys.argv) == 1 else None) if args is None else list(args)  # None: LightningCLI reads argv
+    """Parse ``args`` (``None``: the command line), build model, data and Trainer, and run the subcommand (none
+    given: ``fit``; with ``run=False``: only build them, and ``args`` has no subcommand)."""
+    # no subcommand is fit (FitByDefaultParser): `python recipes/pretrain_gpt.py` is the README job
     if horizon_precision_default() is None:
         log.info("pretrain_gpt: lightning_horizon.precision is not installed; training in fp32")
     return HorizonCLI(
@@ -223,7 +226,8 @@ def main(args: Optional[list[str]] = None, run: bool = True) -> HorizonCLI:
         trainer_defaults=TRAINER_DEFAULTS,
         seed_everything_default=1337,
         save_config_kwargs={"overwrite": True},
-        args=argv,
+        parser_class=FitByDefaultParser,
+        args=args,
         run=run,
     )
 

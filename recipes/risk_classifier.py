@@ -35,7 +35,7 @@ from torchmetrics.functional.classification import binary_auroc
 from lightning_horizon import GradNormBackoff
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _cli import csv_logger_under, drop_unset_ddp_args, horizon_precision_default  # noqa: E402
+from _cli import FitByDefaultParser, csv_logger_under, drop_unset_ddp_args, horizon_precision_default  # noqa: E402
 
 N_DENSE = 8
 ID_FIELDS = ("merchant", "region", "device")
@@ -280,9 +280,9 @@ class RiskCLI(LightningCLI):
 
 
 def main(args: Optional[list[str]] = None) -> LightningCLI:
-    argv = (["fit"] if len(sys.argv) == 1 else None) if args is None else list(args)  # None: LightningCLI reads argv
+    """Parse ``args`` (``None``: the command line; no subcommand: ``fit``), then train and report."""
     return RiskCLI(RiskModel, RiskDataModule, trainer_defaults=TRAINER_DEFAULTS, seed_everything_default=7,
-                        save_config_kwargs={"overwrite": True}, args=argv)
+                   save_config_kwargs={"overwrite": True}, parser_class=FitByDefaultParser, args=args)
 
 
 if __name__ == "__main__":

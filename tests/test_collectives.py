@@ -70,6 +70,8 @@ def test_torus_shape_must_match_world_size():
         ({"sync_every": 0}, "sync_every=0"),
         ({"collectives": "torus2d", "torus_shape": (3, 1)}, "torus_shape=(3, 1)"),  # world size 4: at Trainer()
         ({"collectives": "hierarchical", "ddp_comm_hook": lambda s, b: None}, "ddp_comm_hook="),
+        # the clash names the option the user gave, not the collectives default
+        ({"compression": "int8", "ddp_comm_hook": lambda s, b: None}, "with compression='int8': give either"),
     ],
 )
 def test_strategy_rejects_bad_collectives_before_any_process(kwargs, needle):

@@ -6,8 +6,6 @@ import inspect
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import ThroughputMonitor
-from lightning.pytorch.trainer.states import RunningStage
 
 
 def test_optimizer_step_hook_dicts():
@@ -70,13 +68,6 @@ def test_ddp_reducer_bucket_rebuild_calls():
     ``_get_zeros_like_grad_buckets``."""
     reducer = torch._C._distributed_c10d.Reducer
     assert callable(getattr(reducer, "_rebuild_buckets")) and callable(getattr(reducer, "_get_zeros_like_grad_buckets"))
-
-
-def test_lightning_throughput_monitor_keeps_its_throughputs_by_stage():
-    """ThroughputMFUMonitor sets the measured peak on Lightning's per-stage Throughput objects."""
-    monitor = ThroughputMonitor(batch_size_fn=len)
-    assert isinstance(monitor._throughputs, dict)
-    assert RunningStage.TRAINING.value == "train"
 
 
 def test_fake_tensor_and_dispatch_internals_of_the_sharding_profile():

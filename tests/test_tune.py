@@ -203,9 +203,51 @@ def test_a_missing_script_fails_before_any_layout_runs(tmp_path, capsys):
     assert out == ""
 
 
+def _config_script(path, config: str, then: str = "raise RuntimeError('bad config: no corpus')"):
+    """A script that answers ``--print_config`` as LightningCLI does (with ``config``) and otherwise runs ``then``;
+    it leaves a mark when it is run for a layout."""
+    path.write_text(textwrap.dedent(f"""
+        import pathlib, sys
+        if "--print_config" in sys.argv:
+            print("# lightning.pytorch==2.6.6\\n" + {config!r})
+            sys.exit(0)
+        pathlib.Path(__file__).with_suffix(".ran").write_text(" ".join(sys.argv))
+        print("loading the data", flush=True)
+        {then}
+    """))
+    return path
+
+
+HORIZON_CFG = "trainer:\n  strategy:\n    class_path: lightning_horizon.HorizonStrategy\ndata:\n  batch_size: 8\n"
+
+
+@pytest.mark.parametrize("script, config, layouts, says", [
+    ("crashes.py", None, "1x1", ["`crashes.py fit --print_config` failed (exit 1)", "RuntimeError: bad config",
+                                 "needs a LightningCLI script"]),
+    ("ddp.py", "trainer:\n  strategy: ddp\ndata:\n  batch_size: 8\n", "1x1",
+     ["trains with strategy='ddp'", "add --trainer.strategy=lightning_horizon.HorizonStrategy"]),
+    ("plain.py", "model:\n  lr: 0.1\n", "1x1", ["has no trainer section", "needs a LightningCLI script"]),
+    ("nobatch.py", "trainer:\n  strategy: horizon\n", "1x1,2x1", ["has no data.batch_size", "--batch-arg"]),
+    ("test.py", HORIZON_CFG, "1x1", ["the tuner runs the script's fit: drop 'test'"]),
+])
+def test_a_script_the_tuner_cannot_run_fails_before_any_layout_runs(tmp_path, capsys, script, config, layouts,
+                                                                     says):
+    path = tmp_path / script
+    if config is None:
+        path.write_text("raise RuntimeError('bad config: no corpus')\n")
+    else:
+        _config_script(path, config)
+    with pytest.raises(SystemExit) as info:
+        main(["--layouts", layouts, "--no-cache", str(path), *(["test"] if script == "test.py" else [])])
+    out, err = capsys.readouterr()
+    assert info.value.code == 2 and out == "" and "Traceback (most recent call last)" not in err.split("failed")[0]
+    for text in says:
+        assert text in err, err
+    assert not path.with_suffix(".ran").exists()  # no layout ran
+
+
 def test_when_no_layout_ran_the_exit_code_and_message_say_why(tmp_path, capsys):
-    script = tmp_path / "crashes.py"
-    script.write_text("print('loading the data', flush=True)\nraise RuntimeError('bad config: no corpus')\n")
+    script = _config_script(tmp_path / "crashes.py", HORIZON_CFG)
     cache = tmp_path / "layouts.json"
     with pytest.raises(SystemExit) as info:
         main(["--layouts", "1x1,2x1", "--cache", str(cache), str(script)])
@@ -215,6 +257,51 @@ def test_when_no_layout_ran_the_exit_code_and_message_say_why(tmp_path, capsys):
     for layout in ("1 x 1", "2 x 1"):  # each failure with its exit code and the tail of its output
         assert f"{layout} failed: exit 1 after " in err and "RuntimeError: bad config: no corpus" in err, err
     assert not cache.exists()
+
+
+RUN_FALSE = textwrap.dedent("""
+    # Lightning's CLI example shape: LightningCLI(run=False), the script calls fit itself; the strategy by name
+    import torch
+    import lightning as L
+    from lightning.pytorch.cli import LightningCLI
+    from torch.utils.data import DataLoader, TensorDataset
+    import lightning_horizon  # noqa: F401  (registers "horizon")
+
+    class Tokens(L.LightningModule):
+        def __init__(self, width: int = 16):
+            super().__init__()
+            self.emb, self.head = torch.nn.Embedding(32, width), torch.nn.Linear(width, 32)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.cross_entropy(self.head(self.emb(x)).flatten(0, 1), y.flatten())
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    class Data(L.LightningDataModule):
+        def __init__(self, batch_size: int = 4):
+            super().__init__()
+            self.batch_size = batch_size
+
+        def train_dataloader(self):
+            return DataLoader(TensorDataset(torch.randint(0, 32, (64, 8)), torch.randint(0, 32, (64, 8))),
+                              batch_size=self.batch_size)
+
+    cli = LightningCLI(Tokens, Data, run=False, trainer_defaults={"accelerator": "cpu", "strategy": "horizon",
+                                                                  "logger": False, "enable_checkpointing": False})
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+""")
+
+
+def test_a_run_false_script_with_the_strategy_by_name_is_tuned(tmp_path, capsys):
+    # the shape check finds no subcommands (no `fit` prepended) and hands the name on as its class path, so that
+    # the layout's threads_per_rank can be set: the layout runs and is measured
+    script = tmp_path / "cli_example.py"
+    script.write_text(RUN_FALSE)
+    winner = main(["--layouts", "1x1", "--warmup", "1", "--steps", "2", "--retries", "0", "--no-cache", str(script)])
+    out = capsys.readouterr().out
+    assert winner.layout == L("1x1") and winner.status == "ok" and "tokens/s" in out, out
 
 
 # ------------------------------------------------------------------------------------------------ cache

@@ -17,7 +17,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_horizon.checks import check_int
+from lightning_horizon.callbacks.interval import check_interval
 
 log = logging.getLogger(__name__)
 
@@ -41,13 +41,14 @@ class CommMonitor(Callback):
     communication seconds over the step's wall time.
 
     Args:
-        log_every_n_steps: log every this many optimizer steps.
-        summary_every_n_steps: print a one-line summary every this many steps (0: never).
+        log_every_n_steps: log every this many optimizer steps; ``None``: the Trainer's ``log_every_n_steps``.
+        summary_every_n_steps: print a one-line summary every this many steps (0: never); ``None``: every
+            ``log_every_n_steps``.
     """
 
-    def __init__(self, log_every_n_steps: int = 1, summary_every_n_steps: int = 50) -> None:
-        check_int("CommMonitor", "log_every_n_steps", log_every_n_steps, 1)
-        check_int("CommMonitor", "summary_every_n_steps", summary_every_n_steps, 0)
+    def __init__(self, log_every_n_steps: Optional[int] = None, summary_every_n_steps: Optional[int] = None) -> None:
+        check_interval("CommMonitor", "log_every_n_steps", log_every_n_steps, 1)
+        check_interval("CommMonitor", "summary_every_n_steps", summary_every_n_steps, 0)
         self.log_every_n_steps, self.summary_every_n_steps = log_every_n_steps, summary_every_n_steps
         self.source: Optional[Callable[[], dict[str, float]]] = None
         #: the latest figures logged (empty while there is no source)
@@ -80,7 +81,8 @@ class CommMonitor(Callback):
             return  # no optimizer step in this batch (an accumulation micro-batch): nothing new was reduced
         step_seconds = now - (self._t_last or now)
         self._t_last, self._last_step = now, step
-        if step % self.log_every_n_steps:
+        every = self.log_every_n_steps or trainer.log_every_n_steps
+        if step % every:
             return
         metrics = {k: float(v) for k, v in self.source().items()}
         if "comm/seconds" in metrics and step_seconds > 0:
@@ -88,7 +90,8 @@ class CommMonitor(Callback):
         self.last = metrics
         for name, value in metrics.items():
             pl_module.log(name, value, on_step=True, on_epoch=False, rank_zero_only=True)
-        if trainer.global_rank == 0 and self.summary_every_n_steps and step % self.summary_every_n_steps == 0:
+        summary = every if self.summary_every_n_steps is None else self.summary_every_n_steps
+        if trainer.global_rank == 0 and summary and step % summary == 0:
             log.info(f"step {step}: " + self.summary())
 
     def summary(self) -> str:

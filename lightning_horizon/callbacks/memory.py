@@ -15,7 +15,7 @@ kernel's available memory counts; ``HORIZON_AVAILABLE_MEMORY`` overrides it).
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -23,7 +23,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_horizon.checks import check_int
+from lightning_horizon.callbacks.interval import check_interval
 from lightning_horizon.memory.probe import current_rss, node_free_memory, peak_rss
 
 log = logging.getLogger(__name__)
@@ -54,14 +54,15 @@ class MemoryMonitor(Callback):
     """Log RSS, peak RSS and available memory per rank every ``log_every_n_steps``; summarize every N steps.
 
     Args:
-        log_every_n_steps: measure, gather and log every this many optimizer steps (a tiny all-gather each time).
+        log_every_n_steps: measure, gather and log every this many optimizer steps (a tiny all-gather each time);
+            ``None``: the Trainer's ``log_every_n_steps``.
         summary_every_n_steps: print a one-line summary every this many steps (a multiple of
-            ``log_every_n_steps`` is printed; 0: never).
+            ``log_every_n_steps`` is printed; 0: never); ``None``: every ``log_every_n_steps``.
     """
 
-    def __init__(self, log_every_n_steps: int = 10, summary_every_n_steps: int = 50) -> None:
-        check_int("MemoryMonitor", "log_every_n_steps", log_every_n_steps, 1)
-        check_int("MemoryMonitor", "summary_every_n_steps", summary_every_n_steps, 0)
+    def __init__(self, log_every_n_steps: Optional[int] = None, summary_every_n_steps: Optional[int] = None) -> None:
+        check_interval("MemoryMonitor", "log_every_n_steps", log_every_n_steps, 1)
+        check_interval("MemoryMonitor", "summary_every_n_steps", summary_every_n_steps, 0)
         self.log_every_n_steps, self.summary_every_n_steps = log_every_n_steps, summary_every_n_steps
         #: the latest figures of every rank: one dict per rank (on rank 0; other ranks hold their own only)
         self.last: list[dict[str, float]] = []
@@ -71,10 +72,10 @@ class MemoryMonitor(Callback):
     def on_train_batch_end(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        step = trainer.global_step
+        step, every = trainer.global_step, self.log_every_n_steps or trainer.log_every_n_steps
         # once per optimizer step (accumulation micro-batches share the step), at the same step on every rank:
         # the gather below is a collective
-        if step == self._last_step or step % self.log_every_n_steps:
+        if step == self._last_step or step % every:
             return
         self._last_step = step
         mine = memory_now()
@@ -87,7 +88,8 @@ class MemoryMonitor(Callback):
             metrics.update({f"mem/rank{i}/{k}": v for i, r in enumerate(self.last) for k, v in r.items()})
         for name, value in metrics.items():
             pl_module.log(name, value, on_step=True, on_epoch=False, rank_zero_only=True)
-        if trainer.global_rank == 0 and self.summary_every_n_steps and step % self.summary_every_n_steps == 0:
+        summary = every if self.summary_every_n_steps is None else self.summary_every_n_steps
+        if trainer.global_rank == 0 and summary and step % summary == 0:
             log.info(f"step {step}: " + self.summary())
 
     def summary(self) -> str:

@@ -7,7 +7,7 @@ that needs the world size (``torus_shape``) runs at setup, in :meth:`Collectives
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Optional
 
 from lightning_horizon.checks import check_int, check_one_of, is_int, is_number, require
@@ -56,6 +56,12 @@ class CollectivesConfig:
     pipeline_chunk_mb: float = 2.0
     """Two-level reductions cut a bucket into chunks of this many MiB and pipeline them: the intra-node stages
     of one chunk run while another crosses the nodes. Smaller chunks overlap more and pay more latency."""
+
+    def changed(self) -> list[str]:
+        """The options away from their defaults, as the strategy's arguments spell them (``"compression='int8'"``)."""
+        default = CollectivesConfig()
+        return [f"{'collectives' if f.name == 'algorithm' else f.name}={getattr(self, f.name)!r}"
+                for f in fields(self) if getattr(self, f.name) != getattr(default, f.name)]
 
     def __post_init__(self) -> None:
         check_one_of(_OWNER, "collectives", self.algorithm, ALGORITHMS)

@@ -146,10 +146,8 @@ def fair_share(local_world_size: int = 1) -> int:
 #: Prior for glibc malloc with default settings (see ``ShardingConfig.allocator_overhead``).
 GLIBC_OVERHEAD = 2.0
 GLIBC_HINT = (
-    "glibc malloc keeps freed activations resident (RSS ~2x the live tensors), so the first plan assumes"
-    f" {GLIBC_OVERHEAD}x and later steps measure it; for RSS that follows the live tensors start the process with"
-    " GLIBC_TUNABLES=glibc.malloc.mmap_threshold=1048576:glibc.malloc.hugetlb=1 (transparent huge pages keep"
-    " the page faults cheap) or preload jemalloc"
+    f"glibc malloc keeps freed activations resident: the first plan assumes {GLIBC_OVERHEAD}x the live tensors and"
+    " later steps measure it (the settings that avoid it: docs/sharding.md#the-allocator-decides-what-rss-means)"
 )
 
 

@@ -33,13 +33,20 @@ def ipex_status() -> tuple[Any, str]:
     return ipex, ""
 
 
-def ipex_optimize(module: Module, optimizers: list[Optimizer], backend: str, compatible: bool) -> list[Optimizer]:
+def ipex_optimize(module: Module, optimizers: list[Optimizer], backend: str, compatible: bool,
+                  compute: str) -> list[Optimizer]:
     """``ipex.optimize`` applied to ``module`` and its one optimizer (in place) when IPEX is usable and the precision
     policy is ``compatible`` with it (fp32 weights the optimizer owns); otherwise the optimizers as they are, with
-    the reason logged (a warning where ``backend="ipex"`` asked for it)."""
+    the reason logged (a warning where ``backend="ipex"`` asked for it). ``backend="auto"`` leaves a step that
+    computes in fp32 (a CPU without native bf16) to native torch: there IPEX measured no faster and held more
+    memory (docs/precision.md)."""
     ipex, why = ipex_status()
-    if ipex is None or not compatible or len(optimizers) != 1:
-        if ipex is not None:  # without an optimizer ipex.optimize would apply inference-only rewrites
+    fp32_auto = backend == "auto" and compute == "fp32"
+    if ipex is None or not compatible or len(optimizers) != 1 or fp32_auto:
+        if ipex is not None and fp32_auto and compatible:
+            why = ("fp32 compute (no native bf16): ipex.optimize measured no faster than native torch here;"
+                   " backend='ipex' applies it anyway")
+        elif ipex is not None:  # without an optimizer ipex.optimize would apply inference-only rewrites
             why = "ipex.optimize is applied when training with mode='bf16-mixed' and one optimizer"
         level = logging.WARNING if backend == "ipex" else logging.INFO
         if rank_zero_only.rank == 0:

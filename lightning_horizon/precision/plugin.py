@@ -48,8 +48,9 @@ class HorizonPrecision(Precision):
         master: bf16-true only: ``"kahan"`` (default; bf16 weights + bf16 compensation, bf16 optimizer state
             between steps) or ``"fp32"`` (an fp32 master copy the optimizer updates, copied back each step).
         compute: ``"auto"`` (bf16 only where it runs in hardware), ``"bf16"`` or ``"fp32"`` (force).
-        backend: ``"native"`` (torch), ``"ipex"`` or ``"auto"`` (``ipex.optimize`` when it imports and matches
-            torch; otherwise native, with a message). Applies to bf16-mixed; bf16-true manages its own weights.
+        backend: ``"native"`` (torch), ``"ipex"`` or ``"auto"`` (``ipex.optimize`` when it imports, matches
+            torch and the step computes in bf16; otherwise native, with a message). Applies to bf16-mixed;
+            bf16-true manages its own weights.
         state_rounding: kahan only: how the optimizer state is rounded to bf16 between steps. ``"stochastic"``
             (default, seeded, resumes exactly) keeps slow averages such as Adam's ``exp_avg_sq`` (beta2=0.999)
             unbiased; ``"nearest"`` freezes them once a step's change is below bf16's half-ulp.
@@ -89,6 +90,7 @@ class HorizonPrecision(Precision):
         self._resolve_compute("cpu")
         self._module: Optional[Module] = None
         self._pending: Optional[dict[str, Any]] = None  # state loaded before connect()
+        self._said: Optional[str] = None  # the policy line last logged
 
     def _resolve_compute(self, device_type: str) -> None:
         compute, self.reason = resolve_compute(self.requested_compute, device_type)
@@ -125,14 +127,16 @@ class HorizonPrecision(Precision):
         self._module = module
         first = next(iter(module.parameters()), None)
         self._resolve_compute(first.device.type if first is not None else "cpu")
-        if rank_zero_only.rank == 0:
+        if rank_zero_only.rank == 0 and self._said != self.policy:  # not again at each validate, test, predict
             log.info(self.policy)
+            self._said = self.policy
         self._policy.connect(module, optimizers, {p: n for n, p in module.named_parameters()})
         if self._pending is not None:
             pending, self._pending = self._pending, None
             self.load_state_dict(pending)
         if self.backend != "native":
-            optimizers = ipex_optimize(module, optimizers, self.backend, self._policy.ipex_compatible)
+            optimizers = ipex_optimize(module, optimizers, self.backend, self._policy.ipex_compatible,
+                                      self.compute)
         return model, optimizers, lr_schedulers
 
     # ------------------------------------------------------------------ forward

@@ -35,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_horizon.checks import check_one_of
+from lightning_horizon.console import info_once
 from lightning_horizon.sharding.isolation import UserState, silenced, tensors_in
 
 log = logging.getLogger(__name__)
@@ -340,7 +341,11 @@ def profile_step(
                 raise RuntimeError(f"profile='fake': the fake pass failed ({type(e).__name__}: {e});"
                                    " use profile='auto' or 'real'") from e
             note = f"fake pass failed ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
-            log.info(f"sharding profile: {note}; profiling a real slice of the batch instead")
+            if not (torch.distributed.is_initialized() and torch.distributed.get_rank() != 0):
+                # expected for a step that depends on its data's values (or an op fake tensors lack): not an error
+                info_once(log, f"sharding: profiling a real slice of the batch (expected: this step reads values"
+                               f" that fake tensors lack, {type(e).__name__})")
+            log.debug(f"sharding profile: {note}")
     if prof is None:
         sub, scale = _slice_batch(batch, batch_fraction)
         prof, flops = _profile_once(module, sub, batch_idx, fake=False)

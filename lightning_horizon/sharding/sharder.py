@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from lightning_horizon.checks import check_int, is_int, require
+from lightning_horizon.console import info_once
 from lightning_horizon.memory.estimate import optimizer_state_pending
 from lightning_horizon.memory.probe import GLIBC_HINT, current_rss, fmt_bytes, peak_rss, reset_peak_rss
 from lightning_horizon.parts import Part
@@ -327,7 +328,7 @@ class GraphSharder(Part):
             if self.rank == 0:
                 log.info(f"sharding: {reason}\n{plan.table()}")
                 if self.config.allocator_overhead is None and self.scale > 1.0:
-                    log.warning(f"sharding: {GLIBC_HINT}")
+                    info_once(log, f"sharding: {GLIBC_HINT}")  # a hint, once per process
         else:
             log.info(
                 f"sharding[rank {self.rank}] step {self.steps}: re-plan ({reason}): recompute"

@@ -40,10 +40,13 @@ class Block(nn.Module):
         self.drop = nn.Dropout(0.1) if dropout else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.fc(self.norm(x))
+        # BatchNorm after the nonlinearity: right after the Linear it would remove every per-feature shift, so the
+        # gradients of fc.bias and norm.bias would be 0 up to rounding, and an optimizer that normalizes the step
+        # (Adam's family) would turn that noise into weight changes that follow the reduction order (plain DDP:
+        # 6.8e-5 relative between 512 B and 25 MB buckets after 4 Adamax steps on 4 ranks), not the library
+        h = torch.tanh(self.fc(self.norm(x)))
         if self.bn is not None:
             h = self.bn(h.flatten(0, 1)).view_as(h)
-        h = torch.tanh(h)
         return x + (self.drop(h) if self.drop is not None else h)
 
 

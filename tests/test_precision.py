@@ -667,10 +667,11 @@ def test_bf16_true_refuses_an_optimizer_with_its_own_parameter_list(master):
 
 
 def test_bf16_true_refuses_zero_redundancy_optimizer(monkeypatch):
+    from lightning.fabric.plugins.environments.lightning import find_free_network_port
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", "29581")
+    monkeypatch.setenv("MASTER_PORT", str(find_free_network_port()))  # a fixed port clashes with a parallel run
     torch.distributed.init_process_group("gloo", rank=0, world_size=1)  # conftest destroys it
     model = TinyLM()
     model.configure_optimizers = lambda: ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)

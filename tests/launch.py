@@ -6,6 +6,7 @@ it); on timeout or failure the whole process group is killed, so a hang never ou
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -95,3 +96,37 @@ def _kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+FORKED_WORLDS = REPO / "tests" / "scripts" / "forked_worlds.py"
+
+
+def run_worlds(jobs: Sequence[dict], work: Path, *, timeout: float, env: Optional[dict] = None,
+               check: bool = True) -> tuple[dict[str, dict], str]:
+    """Run ``jobs`` (tests/scripts/forked_worlds.py's ``run_jobs``) in one launch: one process start, each job's ranks
+    forked from it after its imports, under one hard timeout. Returns ``{tag: {"exit": [status per process],
+    "seconds": s, "log": text}}`` for every job that ended, and the launch's output. With ``check`` a timeout or a
+    failed launch raises; without, a job missing from the answer never ended (the launch timed out in it or before
+    it: the output says which)."""
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "exits.jsonl").unlink(missing_ok=True)
+    (work / "jobs.json").write_text(json.dumps({"jobs": list(jobs)}, default=str))
+    try:
+        output = run_script(FORKED_WORLDS, [work / "jobs.json", work], timeout=timeout, env=env, check=check).stdout
+    except AssertionError as err:  # timed out (a hang): every process of the launch is gone
+        if check:
+            raise
+        output = str(err)
+    ended = {}
+    if (work / "exits.jsonl").exists():
+        for line in (work / "exits.jsonl").read_text().splitlines():
+            job = json.loads(line)
+            log = work / f"{job['tag']}.log"
+            ended[job["tag"]] = {**job, "log": log.read_text() if log.exists() else ""}
+    return ended, output
+
+
+def assert_exited(ended: dict[str, dict], tag: str, expect: Sequence[int]) -> None:
+    """The job ``tag`` of a ``run_worlds`` launch ended with these exit statuses (its log in the message if not)."""
+    assert tag in ended, f"job {tag} never ended; jobs that did: {sorted(ended)}"
+    assert ended[tag]["exit"] == list(expect), f"job {tag} exited {ended[tag]['exit']}:\n{ended[tag]['log'][-8000:]}"

@@ -1,15 +1,16 @@
-"""Collectives: bad input, the cost model, the codecs, and two multi-process launches.
+"""Collectives: bad input, the cost model, the codecs, and two worlds of 4 ranks in one launch.
 
-* tests/scripts/collectives_ddp.py: raw torch DDP on gloo, 4 ranks as 2 emulated nodes x 2 (fork, cheap):
+* tests/scripts/collectives_ddp.py: raw torch DDP on gloo, 4 ranks as 2 emulated nodes x 2:
   gradient parity of every hook with DDP's own allreduce over 100 iterations, bitwise agreement across ranks,
   error feedback, byte accounting vs the cost model, loss trajectories, compressed training, local SGD (the
   schedule, and each average against the float64 mean of the nodes' weights before it), bf16 buckets summed in
   fp32, error feedback through a non-finite step.
-* tests/scripts/collectives_fit.py: Lightning fits with HorizonStrategy(collectives=...) on the same 4 ranks,
-  in one launch: trajectories vs Lightning's DDP, hook registration on CPU, checkpoint resume of the error
-  feedback and of the local-SGD counters, GradNormBackoff under local SGD and through a NaN with int8.
+* tests/scripts/collectives_fit.py: Lightning fits with HorizonStrategy(collectives=...) on the same 4 ranks:
+  trajectories vs Lightning's DDP, hook registration on CPU, checkpoint resume of the error feedback and of the
+  local-SGD counters, GradNormBackoff under local SGD and through a NaN with int8.
 
-Each launch runs once per module (fixtures); the tests below read what it wrote.
+The launch (``launched``, tests/launch.run_worlds) runs once per module: one process start, each world's ranks
+forked from it after its imports, one world after the other; the tests below read what each world wrote.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ from lightning_horizon import HorizonStrategy
 from lightning_horizon.collectives import CollectivesConfig, CostModel, Link
 from lightning_horizon.collectives.compression import Codec, ErrorFeedback
 from lightning_horizon.collectives.layout import Piece
-from tests.launch import REPO, run_script
+from tests.launch import assert_exited, run_worlds
 
-SCRIPTS = REPO / "tests" / "scripts"
+pytestmark = pytest.mark.timeout(600)  # both worlds run in the first multi-process test's setup (~2 min here)
 
 # ---------------------------------------------------------------------- bad input
 
@@ -241,10 +242,23 @@ DDP_CHECKS = (
 
 
 @pytest.fixture(scope="module")
-def ddp_checks(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("collectives_ddp") / "checks.json"
-    run_script(SCRIPTS / "collectives_ddp.py", [out], timeout=300, env={"OMP_NUM_THREADS": "1"})
-    return json.loads(out.read_text())
+def launched(tmp_path_factory):
+    """Both worlds of 4 ranks (raw DDP, then the Lightning fits) in one launch: ``(work, {tag: how it ended})``."""
+    work = tmp_path_factory.mktemp("collectives")
+    env = {"OMP_NUM_THREADS": 1}
+    jobs = [{"tag": "ddp", "devices": 4, "call": "tests.scripts.collectives_ddp:main",
+             "args": [str(work / "checks.json")], "env": env},
+            {"tag": "fit", "devices": 4, "call": "tests.scripts.collectives_fit:main",
+             "args": [str(work / "out"), str(work)], "env": env}]
+    ended, _ = run_worlds(jobs, work, timeout=600)
+    return work, ended
+
+
+@pytest.fixture(scope="module")
+def ddp_checks(launched) -> dict:
+    work, ended = launched
+    assert_exited(ended, "ddp", [0] * 4)
+    return json.loads((work / "checks.json").read_text())
 
 
 @pytest.mark.parametrize("name", DDP_CHECKS)
@@ -258,9 +272,9 @@ def test_raw_ddp(ddp_checks, name):
 
 
 @pytest.fixture(scope="module")
-def fits(tmp_path_factory) -> list[dict]:
-    work = tmp_path_factory.mktemp("collectives_fit")
-    run_script(SCRIPTS / "collectives_fit.py", [work / "out", work], timeout=300, env={"OMP_NUM_THREADS": "1"})
+def fits(launched) -> list[dict]:
+    work, ended = launched
+    assert_exited(ended, "fit", [0] * 4)
     return [json.loads((work / f"out.rank{r}.json").read_text()) for r in range(4)]
 
 

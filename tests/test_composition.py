@@ -44,13 +44,13 @@ from typing import Any, Iterable, Optional
 import pytest
 import torch
 
-from tests.launch import REPO, run_scripts
+from tests.launch import run_worlds
 from tests.pairwise import all_pairs, full_product, interactions
 from tests.scripts.composition_models import KINDS
 
 pytestmark = pytest.mark.timeout(3600)  # the launches run in the first test's setup (~4 min on 2 shared cores)
 
-SCRIPT = REPO / "tests" / "scripts" / "composition_fit.py"
+FIT = "tests.scripts.composition_fit:main"  # what every rank of a world runs (forked_worlds' format)
 
 DIMENSIONS: dict[str, tuple] = {
     "world": (1, 2, 4),  # ranks: 1; 2 = 2 nodes x 1; 4 = 2 nodes x 2 (ranks_per_node=2)
@@ -219,18 +219,21 @@ def plan(case: Case) -> Plan:
 
 
 class Runner:
-    """Launches runs grouped by world size, several fits per process (at most ``chunk`` per launch), and relaunches
-    the runs after one that ended its launch (an unexpected error on a rank whose peers may be mid-collective).
-    The run a launch ended in is never launched again: it fails with the launch's output, also when no rank raised
-    (a signal, an abort), since a crash that a second launch would not repeat is still a crash.
-    Results stay on disk; :meth:`get` loads one run's (a few are cached)."""
+    """Launches runs grouped by world size, several fits per world (at most ``chunk`` per world), every world of a
+    round in one launch (tests/launch.run_worlds: one process start, each world's ranks forked from it after its
+    imports, one world after another), and relaunches the runs after one that ended its world (an unexpected error
+    on a rank whose peers may be mid-collective) in the next round. The run a world ended in is never launched
+    again: it fails with the world's output, also when no rank raised (a signal, an abort), since a crash that a
+    second launch would not repeat is still a crash. Results stay on disk; :meth:`get` loads one run's (a few are
+    cached)."""
 
     def __init__(self, work: Path, chunk: int = 60) -> None:
         self.work = work
         self.chunk = chunk
         self.status: dict[str, Optional[dict]] = {}  # run name -> None (every rank wrote a result) or the crash
-        self.timings: list[tuple[int, int, float]] = []  # (world, runs, seconds) per launch
+        self.timings: list[tuple[int, int, float]] = []  # (world, runs, seconds) per world launched
         self._cache: dict[str, list] = {}
+        self._launches = 0
 
     def files(self, run: dict) -> list[Path]:
         return [self.work / f"{run['name']}.rank{r}.pt" for r in range(run["world"])]
@@ -251,29 +254,46 @@ class Runner:
         for run in runs:
             if run["name"] not in self.status:
                 by_world.setdefault(run["world"], {}).setdefault(run["name"], run)
-        for world in sorted(by_world):
-            # a resumed run after the run that writes its checkpoint (an earlier chunk, or earlier in the same one)
-            pending = sorted(by_world[world].values(), key=lambda r: "resume_from" in r)
-            for i in range(0, len(pending), self.chunk):
-                self._launch_until_done(world, pending[i:i + self.chunk])
-
-    def _launch_until_done(self, world: int, pending: list[dict]) -> None:
+        # a resumed run after the run that writes its checkpoint (an earlier chunk, or earlier in the same one)
+        pending = {w: sorted(by_world[w].values(), key=lambda r: "resume_from" in r) for w in sorted(by_world)}
         while pending:
-            for run in pending:
+            chunks = {w: runs[:self.chunk] for w, runs in pending.items()}
+            left = self._launch(chunks)
+            pending = {w: left[w] + pending[w][self.chunk:] for w in pending
+                       if left[w] or pending[w][self.chunk:]}
+
+    def _launch(self, chunks: dict[int, list[dict]]) -> dict[int, list[dict]]:
+        """One launch, a world per entry of ``chunks``; returns, per world, the runs still to launch."""
+        jobs = []
+        for world, runs in chunks.items():
+            for run in runs:
                 if "resume_from" in run and not str(run["resume_from"]).endswith(".ckpt"):
                     n_opt = 2 if run["optimization"] == "manual" else 1
                     run["resume_from"] = str(self.work / f"{run['resume_from']}.ckpt" / f"step={SAVE_AT * n_opt}.ckpt")
-            cfg = self.work / f"launch{len(self.timings)}-w{world}.json"
-            cfg.write_text(json.dumps({"runs": pending}))
-            t0 = time.monotonic()
-            try:  # a 4-rank fit takes 1-3 s here, the launch ~10 s more: the timeout only ends a hang
-                (proc,) = run_scripts([(SCRIPT, [cfg, self.work], {"OMP_NUM_THREADS": "1"})],
-                                      timeout=120 + 20 * len(pending), check=False)
-                tail, rc = proc.stdout[-6000:], proc.returncode
-            except AssertionError as err:  # the launch hung past its timeout and was killed
-                tail, rc = str(err)[-6000:], "timeout"
-            self.timings.append((world, len(pending), time.monotonic() - t0))
-            rest: list[dict] = []
+            tag = f"launch{self._launches}-w{world}"
+            cfg = self.work / f"{tag}.json"
+            cfg.write_text(json.dumps({"runs": runs}))
+            jobs.append({"tag": tag, "devices": world, "call": FIT, "args": [str(cfg), str(self.work)],
+                         "env": {"OMP_NUM_THREADS": "1"}})
+        self._launches += 1
+        # a 4-rank fit takes 1-3 s here, a world's start ~1 s more: the timeout only ends a hang
+        ended, output = run_worlds(jobs, self.work / f"launch{self._launches - 1}",
+                                   timeout=sum(120 + 20 * len(runs) for runs in chunks.values()), check=False)
+        left: dict[int, list[dict]] = {}
+        reached = True  # the worlds after one that never ended were never started: all their runs stay to launch
+        for job, (world, pending) in zip(jobs, chunks.items()):
+            left[world] = []
+            if not reached:
+                left[world] = pending
+                continue
+            if job["tag"] in ended:
+                exits = ended[job["tag"]]["exit"]
+                rc: Any = next((e for e in exits if e != 0), 0)
+                tail = f"rank exit statuses {exits}\n" + ended[job["tag"]]["log"][-6000:]
+                self.timings.append((world, len(pending), ended[job["tag"]]["seconds"]))
+            else:  # the launch hung in this world and was killed
+                reached, rc, tail = False, "timeout", output[-6000:]
+                self.timings.append((world, len(pending), float("nan")))
             for i, run in enumerate(pending):
                 present = [f for f in self.files(run) if f.exists()]
                 if len(present) == world:
@@ -284,9 +304,9 @@ class Runner:
                 self.status[run["name"]] = {"crashed": f"launch ended ({rc}) in this run {how}".rstrip(),
                                             "errors": errors, "tail": tail}
                 if rc != 0:
-                    rest = pending[i + 1:]
+                    left[world] = pending[i + 1:]
                     break
-            pending = rest
+        return left
 
 
 def selected_cases(request, param: str = "case") -> list[Case]:
@@ -637,17 +657,19 @@ def test_refused_combination_raises_naming_both_options(values, phrases):
 
 
 _DIES_ONCE = """
-import json, os, signal, sys
+import json, os, signal
 from pathlib import Path
 
-config, work = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])
-for run in config["runs"]:
-    marker = work / (run["name"] + ".died")
-    if run["name"] == "b" and not marker.exists():  # a crash that does not repeat
-        marker.touch()
-        print("run b: killed by a signal, nothing raised", flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
-    (work / (run["name"] + ".rank0.pt")).write_bytes(b"")
+
+def main(config, work):
+    work = Path(work)
+    for run in json.loads(Path(config).read_text())["runs"]:
+        marker = work / (run["name"] + ".died")
+        if run["name"] == "b" and not marker.exists():  # a crash that does not repeat
+            marker.touch()
+            print("run b: killed by a signal, nothing raised", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        (work / (run["name"] + ".rank0.pt")).write_bytes(b"")
 """
 
 
@@ -656,7 +678,7 @@ def test_a_launch_that_dies_without_raising_fails_its_run_and_is_not_retried(tmp
     launch's output in its message; the runs after it, which never ran, get a launch of their own."""
     script = tmp_path / "dies_once.py"
     script.write_text(_DIES_ONCE)
-    monkeypatch.setitem(globals(), "SCRIPT", script)
+    monkeypatch.setitem(globals(), "FIT", f"{script}:main")
     runner = Runner(tmp_path)
     runner.run_all([{"name": name, "world": 1} for name in "abc"])
     assert runner.status["a"] is None and runner.status["c"] is None

@@ -3,12 +3,14 @@
 tests/scripts/compat_suite.py runs every scenario (BoringModel and friends, validate/test/predict, sync_dist
 logging and Lightning's collectives, EarlyStopping + ModelCheckpoint across ranks, evaluating and resuming from
 checkpoints (the other strategy's too), dropout across a resume, find_unused_parameters, bf16-mixed, the LR finder,
-the batch-size finder, SWA, EMA, LightningCLI) in one Lightning-launched job per strategy; the tests compare the
-jobs scenario by scenario, on every rank. A scenario where horizon and ddp differ is a finding: a horizon bug goes
+the batch-size finder, SWA, EMA, LightningCLI) in one job per strategy; the tests compare the jobs scenario by
+scenario, on every rank. A scenario where horizon and ddp differ is a finding: a horizon bug goes
 in XFAIL_* with its diagnosis, a difference by design in DELIBERATE with a test of its own; never loosen a check.
 
-Cost on 2 idle cores: two 2-rank jobs (~20 s each), two 1-process jobs side by side (~15 s), one 2-rank CLI job
-(~10 s); most of it is importing lightning in each process.
+The suite's jobs share one launch (tests/launch.run_worlds: one process start, each job's ranks forked from it after
+its imports, with the variables Lightning's launcher gives its ranks): two 2-rank jobs, then two 1-process jobs side
+by side. The LightningCLI job from the real command line stays a launch of its own: it checks what Lightning's
+launcher does with that command line (re-executing it for rank 1).
 """
 
 from __future__ import annotations
@@ -20,11 +22,10 @@ from typing import Any
 
 import pytest
 
-from tests.launch import REPO, run_script, run_scripts
+from tests.launch import REPO, assert_exited, run_script, run_worlds
 from tests.scripts import compat_cli
 from tests.scripts.compat_suite import Suite
 
-SUITE = REPO / "tests" / "scripts" / "compat_suite.py"
 CLI = REPO / "tests" / "scripts" / "compat_cli.py"
 SCENARIOS = Suite.SCENARIOS
 REL, ABS = 1e-5, 1e-7  # fp32 gloo allreduce of 2 ranks matches ddp to ~1e-6 relative; these are outcomes
@@ -55,13 +56,12 @@ def _read(out: Path, ranks: int) -> dict[int, dict[str, Any]]:
     return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)}
 
 
-def _suite_args(root: Path, strategy: str, devices: int, resume_from: Path | None = None) -> tuple:
+def _suite(root: Path, strategy: str, devices: int, resume_from: Path | None = None) -> dict:
+    """A call of compat_suite.main (forked_worlds' format), writing to ROOT/STRATEGY."""
     out = root / strategy
     out.mkdir(parents=True)
-    args = [strategy, out, "--devices", devices]
-    if resume_from is not None:
-        args += ["--resume-from", resume_from]
-    return SUITE, args, None
+    args = [strategy, str(out), devices, "", str(resume_from) if resume_from else None]
+    return {"call": "tests.scripts.compat_suite:main", "args": args}
 
 
 def _last_ckpt(root: Path, strategy: str) -> Path:
@@ -69,23 +69,36 @@ def _last_ckpt(root: Path, strategy: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    """Both strategies' outcomes on 2 ranks, one job after the other; horizon resumes ddp's checkpoint (a user
-    switching to horizon). Returns (root, ddp's, horizon's)."""
+def suites(tmp_path_factory):
+    """Every suite job in one launch (one process start; each job's processes forked from it after its imports):
+    both strategies on 2 ranks, one world after the other, horizon resuming ddp's checkpoint (a user switching to
+    horizon); then both with devices=1, two plain processes side by side, each resuming the other strategy's
+    2-rank checkpoint (the same state): horizon ddp's, ddp horizon's (a user switching back)."""
     root = tmp_path_factory.mktemp("compat2")
-    run_script(*_suite_args(root, "ddp", 2)[:2], timeout=180)
-    run_script(*_suite_args(root, "horizon", 2, resume_from=_last_ckpt(root, "ddp"))[:2], timeout=180)
+    one = root / "one_process"
+    jobs = [{"tag": "ddp", "devices": 2, **_suite(root, "ddp", 2)},
+            {"tag": "horizon", "devices": 2, **_suite(root, "horizon", 2, resume_from=_last_ckpt(root, "ddp"))},
+            {"tag": "one_process", "processes": [_suite(one, "ddp", 1, resume_from=_last_ckpt(root, "horizon")),
+                                                 _suite(one, "horizon", 1, resume_from=_last_ckpt(root, "ddp"))]}]
+    ended, _ = run_worlds(jobs, root / "launch", timeout=540)
+    return root, ended
+
+
+@pytest.fixture(scope="module")
+def two_ranks(suites):
+    """Both strategies' outcomes on 2 ranks. Returns (root, ddp's, horizon's)."""
+    root, ended = suites
+    assert_exited(ended, "ddp", [0, 0])
+    assert_exited(ended, "horizon", [0, 0])
     return root, _read(root / "ddp", 2), _read(root / "horizon", 2)
 
 
 @pytest.fixture(scope="module")
-def one_process(two_ranks):
-    """Both strategies' outcomes with devices=1 (two single processes, side by side); each resumes the other
-    strategy's 2-rank checkpoint (the same state): horizon ddp's, ddp horizon's (a user switching back)."""
-    root = two_ranks[0] / "one_process"
-    run_scripts([_suite_args(root, "ddp", 1, resume_from=_last_ckpt(two_ranks[0], "horizon")),
-                 _suite_args(root, "horizon", 1, resume_from=_last_ckpt(two_ranks[0], "ddp"))], timeout=180)
-    return _read(root / "ddp", 1), _read(root / "horizon", 1)
+def one_process(suites):
+    """Both strategies' outcomes with devices=1. Returns (ddp's, horizon's)."""
+    root, ended = suites
+    assert_exited(ended, "one_process", [0, 0])
+    return _read(root / "one_process" / "ddp", 1), _read(root / "one_process" / "horizon", 1)
 
 
 def _normalize(value: Any, strategy: str) -> Any:

@@ -1,9 +1,11 @@
 """HorizonStrategy as a drop-in for Lightning's ddp (issue 17): what code written for "ddp" sees must not change.
 
-The multi-process checks of checkpoints and loaders share one launch of tests/scripts/dropin_fit.py (ddp and
-horizon side by side, several fits); the spawn variant of the DataLoader check is slow (a process start per rank
-and fit) and marked so. The thread settings after fit and the unused-parameter error need a launch each
-(tests/scripts/dropin_lifecycle.py): an error ends a Lightning launch.
+Every 2-rank check but the spawn variant shares one launch (``launched``: tests/launch.run_worlds, one process start;
+each check's world of 2 ranks forked from it after its imports, one world after another, with the variables
+Lightning's launcher gives its ranks): the checkpoints and loaders of tests/scripts/dropin_fit.py (ddp and horizon
+side by side, several fits), the thread settings after fit and each unused-parameter case of
+tests/scripts/dropin_lifecycle.py (an error ends only its own world). The spawn variant of the DataLoader check stays
+a launch of its own, a real spawn (what it tests), and slow.
 """
 
 import collections
@@ -20,17 +22,56 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_horizon import HorizonStrategy, wire
-from tests.launch import REPO, run_script
+from tests.launch import REPO, assert_exited, run_script, run_worlds
 from tests.scripts.dropin_lifecycle import UnusedParameter, settings
 
 SCRIPTS = REPO / "tests" / "scripts"
 
 
+#: HorizonStrategy kwargs of the unused-parameter launches, by test id
+UNUSED = {
+    "flat": {},
+    "hierarchical-int8": {"collectives": "hierarchical", "ranks_per_node": 1, "compression": "int8"},
+    # the same reducer error under every comm hook: two in CI, the other two with the slow tests (CI's time)
+    "local-sgd": {"collectives": "hierarchical", "ranks_per_node": 1, "sync_every": 2},
+    "torus2d": {"collectives": "torus2d", "torus_shape": [1, 2]},
+}
+SLOW_UNUSED = ("local-sgd", "torus2d")
+UNUSED_ALLOWED = {"collectives": "hierarchical", "ranks_per_node": 1, "compression": "int8",
+                  "find_unused_parameters": True}
+
+
+def _selected_unused(request) -> list[str]:
+    """The unused-parameter cases pytest will run (``-m slow`` adds two): only those are launched."""
+    return [item.callspec.id for item in request.session.items
+            if item.module is request.module and item.originalname == "test_two_ranks_unused_parameters_raise"
+            "_lightnings_explanation"]
+
+
 @pytest.fixture(scope="module")
-def dropin_fit(tmp_path_factory):
-    """``{rank: what that rank recorded}`` from one 2-process launch of dropin_fit.py."""
+def launched(request, tmp_path_factory):
+    """``(work, {tag: how the job ended})``: every 2-rank job of this module in one launch."""
     work = tmp_path_factory.mktemp("dropin")
-    run_script(SCRIPTS / "dropin_fit.py", [work / "out"], timeout=240, env={"OMP_NUM_THREADS": "1"})
+
+    def two(tag: str, call: str, *args, **env) -> dict:
+        return {"tag": tag, "devices": 2, "call": call, "args": [*map(str, args)], "env": env}
+
+    lifecycle = "tests.scripts.dropin_lifecycle:main"
+    jobs = [two("fit", "tests.scripts.dropin_fit:main", work / "out", OMP_NUM_THREADS=1),
+            # OMP_NUM_THREADS unset (as in the user's process): Lightning's launcher sets it, teardown takes it back
+            two("threads", lifecycle, "threads", work / "threads.json"),
+            two("unused-allowed", lifecycle, "unused", work / "unused-allowed.json", json.dumps(UNUSED_ALLOWED))]
+    jobs += [two(f"unused-{case}", lifecycle, "unused", work / f"unused-{case}.json", json.dumps(UNUSED[case]))
+             for case in _selected_unused(request)]
+    ended, _ = run_worlds(jobs, work, timeout=240 + 120 * (len(jobs) - 1))
+    return work, ended
+
+
+@pytest.fixture(scope="module")
+def dropin_fit(launched):
+    """``{rank: what that rank recorded}`` from dropin_fit.py's world."""
+    work, ended = launched
+    assert_exited(ended, "fit", [0, 0])
     return {r: json.loads((work / f"out.rank{r}.json").read_text()) for r in (0, 1)}
 
 
@@ -179,10 +220,10 @@ def test_fit_gives_back_threads_affinity_and_openmp_variables(monkeypatch):
     assert after == before
 
 
-def test_two_ranks_rank_0_gets_its_settings_back(tmp_path):
-    out = tmp_path / "threads.json"
-    run_script(SCRIPTS / "dropin_lifecycle.py", ["threads", out], timeout=120)
-    r = json.loads(out.read_text())
+def test_two_ranks_rank_0_gets_its_settings_back(launched):
+    work, ended = launched
+    assert_exited(ended, "threads", [0, 0])
+    r = json.loads((work / "threads.json").read_text())
     assert r["during"]["threads"] == 1 and len(r["during"]["affinity"]) == 1  # rank 0 had one core of two
     assert r["after"] == r["before"]
 
@@ -225,23 +266,16 @@ def test_one_process_no_warning_when_unused_parameters_are_allowed(recwarn):
     assert not [w for w in recwarn if "got no gradient" in str(w.message)]
 
 
-@pytest.mark.parametrize("kwargs", [
-    {},
-    {"collectives": "hierarchical", "ranks_per_node": 1, "compression": "int8"},
-    # the same reducer error under every comm hook: two in CI, the other two with the slow tests (CI's time)
-    pytest.param({"collectives": "hierarchical", "ranks_per_node": 1, "sync_every": 2}, marks=pytest.mark.slow),
-    pytest.param({"collectives": "torus2d", "torus_shape": [1, 2]}, marks=pytest.mark.slow),
-], ids=["flat", "hierarchical-int8", "local-sgd", "torus2d"])
-def test_two_ranks_unused_parameters_raise_lightnings_explanation(tmp_path, kwargs):
-    out = tmp_path / "unused.json"
-    run_script(SCRIPTS / "dropin_lifecycle.py", ["unused", out, json.dumps(kwargs)], timeout=120, check=False)
-    error = json.loads(out.read_text())["error"]
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_UNUSED else c for c in UNUSED])
+def test_two_ranks_unused_parameters_raise_lightnings_explanation(launched, case):
+    work, ended = launched
+    assert f"unused-{case}" in ended, f"job unused-{case} never ended"  # how its ranks exit after the error: free
+    error = json.loads((work / f"unused-{case}.json").read_text())["error"]
     assert error.startswith("It looks like your LightningModule has parameters that were not used")
     assert "HorizonStrategy(find_unused_parameters=True)" in error and "'horizon_find_unused_parameters_true'" in error
 
 
-def test_two_ranks_unused_parameters_allowed_trains(tmp_path):
-    out = tmp_path / "unused.json"
-    kwargs = {"collectives": "hierarchical", "ranks_per_node": 1, "compression": "int8", "find_unused_parameters": True}
-    run_script(SCRIPTS / "dropin_lifecycle.py", ["unused", out, json.dumps(kwargs)], timeout=120)
-    assert "error" not in json.loads(out.read_text())
+def test_two_ranks_unused_parameters_allowed_trains(launched):
+    work, ended = launched
+    assert_exited(ended, "unused-allowed", [0, 0])
+    assert "error" not in json.loads((work / "unused-allowed.json").read_text())

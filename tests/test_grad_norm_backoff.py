@@ -20,7 +20,7 @@ from torch import nn
 
 from lightning_horizon import GradNormBackoff
 from lightning_horizon.gradnorm import total_norm_fp32
-from tests.launch import REPO, run_script
+from tests.launch import assert_exited, run_worlds
 
 NAMES = ("grad_norm", "lr_scale", "spikes", "skipped_steps")
 
@@ -356,8 +356,9 @@ def test_resume_mid_backoff_reproduces_lr_and_loss(tmp_path):
 
 
 def test_two_ranks_take_identical_decisions(tmp_path):
-    run_script(REPO / "tests" / "scripts" / "backoff_fit.py", [tmp_path, 10], timeout=100,
-               env={"OMP_NUM_THREADS": "1"})
+    ended, _ = run_worlds([{"tag": "backoff", "call": "tests.scripts.backoff_fit:main", "args": [str(tmp_path), 10],
+                            "devices": 2, "env": {"OMP_NUM_THREADS": "1"}}], tmp_path / "launch", timeout=100)
+    assert_exited(ended, "backoff", [0, 0])
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert r0["world_size"] == 2 and r1["rank"] == 1
     # json text compares NaN equal to NaN: norms, scales, counters, lrs and weights match bit for bit

@@ -542,30 +542,37 @@ def test_ipex_absence_or_mismatch_falls_back_to_native_torch_with_a_warning(monk
 # ------------------------------------------------------------------------------------------------ DDP
 
 DDP_SCRIPT = """
-import sys, torch, lightning.pytorch as L
+import torch, lightning.pytorch as L
 from tests.test_precision import TinyLM, loader, MODES
 from lightning_horizon.precision import HorizonPrecision
-torch.set_num_threads(1)
-out = {}
-for name in ("true-kahan", "true-kahan-c32", "true-fp32-c32"):
-    model, plugin = TinyLM(), HorizonPrecision(**MODES[name])
-    tr = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=4, logger=False, enable_progress_bar=False,
-                   enable_model_summary=False, enable_checkpointing=False, plugins=[plugin])
-    tr.fit(model, loader(64))
-    out[name] = [*model.state_dict().values(), *plugin.training_state.extra_tensors()]
-torch.save(out, sys.argv[1] + f".rank{tr.global_rank}")
-tr.strategy.barrier()  # rank 0 must not exit (and the launcher reap rank 1) before rank 1 has saved
+
+def main(out_prefix):
+    torch.set_num_threads(1)
+    out = {}
+    for name in ("true-kahan", "true-kahan-c32", "true-fp32-c32"):
+        model, plugin = TinyLM(), HorizonPrecision(**MODES[name])
+        tr = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=4, logger=False,
+                       enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                       plugins=[plugin])
+        tr.fit(model, loader(64))
+        out[name] = [*model.state_dict().values(), *plugin.training_state.extra_tensors()]
+    torch.save(out, out_prefix + f".rank{tr.global_rank}")
 """
 
 
 def test_ddp_ranks_stay_identical(tmp_path):
-    """2 gloo ranks: grads all-reduced every step (a param whose dtype changes loses DDP's hooks) -> equal ranks."""
-    from tests.launch import REPO, run_script
+    """2 gloo ranks: grads all-reduced every step (a param whose dtype changes loses DDP's hooks) -> equal ranks.
+
+    Lightning's "ddp" in 2 ranks forked after one launch's imports (tests/launch.py's ``run_worlds``)."""
+    from tests.launch import REPO, assert_exited, run_worlds
 
     script = tmp_path / "ddp_precision.py"
     script.write_text(DDP_SCRIPT)
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))  # the script imports tests.*
-    run_script(script, [tmp_path / "out"], timeout=180, env={"OMP_NUM_THREADS": "1", "PYTHONPATH": path})
+    job = {"tag": "ddp", "call": f"{script}:main", "args": [str(tmp_path / "out")], "devices": 2,
+           "env": {"OMP_NUM_THREADS": "1"}}
+    ended, _ = run_worlds([job], tmp_path / "launch", timeout=180, env={"PYTHONPATH": path})
+    assert_exited(ended, "ddp", [0, 0])
     ranks = [torch.load(tmp_path / f"out.rank{r}") for r in (0, 1)]
     for name in ranks[0]:
         assert len(ranks[0][name]) > 7

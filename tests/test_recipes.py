@@ -177,6 +177,49 @@ def test_corpus_cache_and_split_are_deterministic(tmp_path):
         lm_data.ByteCorpusDataModule(val_fraction=0.9)
 
 
+def test_default_corpus_lists_what_rglob_lists_without_walking_skipped_folders(tmp_path, monkeypatch):
+    """The standard library's listing (run in every process that finds its cached file) never lists site-packages
+    or __pycache__, gives rglob's files in rglob's order, and an edited, added or removed file still rebuilds."""
+    stdlib = tmp_path / "lib"
+    for rel in ("a.py", "a-b/c.py", "a/b.py", "a/z.txt", "a/.hidden.py", ".dot/d.py", "x/site-packages/pkg/e.py",
+                "x/__pycache__/f.py", "y/dist-packages/g.py", "site-packages/h.py", "deep/er/est/i.py"):
+        (stdlib / rel).parent.mkdir(parents=True, exist_ok=True)
+        (stdlib / rel).write_text(f"# {rel}\n" * 400)
+    (stdlib / "link.py").symlink_to(stdlib / "a.py")  # a file through a link: read, as rglob + is_file does
+    (stdlib / "broken.py").symlink_to(stdlib / "missing.py")
+    (stdlib / "linked_dir").symlink_to(stdlib / "a")  # a folder through a link: not followed, as rglob
+    (stdlib / "dir.py").mkdir()
+    monkeypatch.setattr(lm_data.sysconfig, "get_paths", lambda: {"stdlib": str(stdlib)})
+    rglob = sorted(p for p in stdlib.rglob("*.py")  # the definition this listing replaced
+                   if p.is_file() and not lm_data._SKIP_DIRS.intersection(p.relative_to(stdlib).parts)
+                   and not p.name.startswith("."))
+    listed, real_scandir = [], lm_data.os.scandir
+
+    def scandir(path="."):
+        listed.append(Path(path))
+        return real_scandir(path)
+
+    monkeypatch.setattr(lm_data.os, "scandir", scandir)
+    root, files = lm_data.corpus_files(None)
+    monkeypatch.setattr(lm_data.os, "scandir", real_scandir)
+    assert root == stdlib and files == rglob and len(files) == 6, files
+    assert not [p for p in listed if lm_data._SKIP_DIRS.intersection(p.relative_to(stdlib).parts)], listed
+
+    cache = tmp_path / "cache"
+    path, meta = lm_data.build_token_file(None, cache, 1 << 20)
+    assert meta["files"] == 6 and lm_data.build_token_file(None, cache, 1 << 20)[0] == path
+    (stdlib / "x/site-packages/pkg/e.py").write_text("not the corpus")
+    assert lm_data.build_token_file(None, cache, 1 << 20)[0] == path
+    seen = {path}
+    for change in (lambda: (stdlib / "deep/er/est/i.py").write_text("edited\n" * 400),
+                   lambda: (stdlib / "a/new.py").write_text("added\n" * 400),
+                   lambda: (stdlib / "a-b/c.py").unlink()):
+        change()
+        rebuilt = lm_data.build_token_file(None, cache, 1 << 20)[0]
+        assert rebuilt not in seen
+        seen.add(rebuilt)
+
+
 def test_risk_classifier_reaches_auroc_target(tmp_path):
     cli = risk_classifier.main([
         "fit", "--data.n_rows", "30000", "--trainer.default_root_dir", str(tmp_path),

@@ -34,7 +34,7 @@ from lightning_horizon.sharding import (
     resolve_budget,
     resolve_sharding,
 )
-from tests.launch import run_script
+from tests.launch import run_scripts
 from tests.scripts.sharding_models import Branchy, LitGPT, tiny_gpt
 
 MODELS = Path(__file__).parent / "scripts" / "sharding_models.py"
@@ -384,17 +384,17 @@ def test_checkpoint_state_restores_the_same_plan():
 # ------------------------------------------------------------------ peak RSS in fresh processes
 
 
-def _run_models(*args):
-    out = run_script(MODELS, [str(a) for a in args], timeout=120, env=GLIBC_RETURNS).stdout
-    return json.loads(out.split("RESULT ", 1)[1].splitlines()[0])
+def _run_models(*runs):
+    """One fresh process per run (its args), all at once: each measures its own RSS."""
+    outs = run_scripts([(MODELS, [str(a) for a in args], GLIBC_RETURNS) for args in runs], timeout=120)
+    return [json.loads(out.stdout.split("RESULT ", 1)[1].splitlines()[0]) for out in outs]
 
 
 def test_peak_rss_stays_within_budget():
-    plain = _run_models("plain")
-    rows = []
-    for fraction in (0.4, 1.0):  # recompute needed / not needed
-        r = _run_models("sharded", fraction, plain["base"], plain["peak"])
-        rows.append((fraction, r))
+    (plain,) = _run_models(["plain"])
+    fractions = (0.4, 1.0)  # recompute needed / not needed
+    rows = list(zip(fractions, _run_models(*(["sharded", f, plain["base"], plain["peak"]] for f in fractions))))
+    for fraction, r in rows:
         assert r["peak"] <= 1.1 * r["budget"], f"{fraction:.0%}: peak {r['peak']} > 1.1 x budget {r['budget']}"
         assert abs(r["loss"] - plain["loss"]) < 1e-4  # same training, less memory
     assert "recompute" in rows[0][1]["table"]  # 40% of the activations cannot be met without recompute

@@ -3,7 +3,7 @@
 import torch
 
 from lightning_horizon.state import COMPENSATED, MASTER, MODULE, TrainingState
-from tests.launch import REPO, run_script
+from tests.launch import assert_exited, run_worlds
 
 
 def test_read_write_each_home_of_a_true_weight():
@@ -40,7 +40,12 @@ def test_local_sgd_averages_the_masters_so_every_rank_holds_the_same_true_weight
 
     After an average every rank holds the mean of the two nodes' true weights from just before it (a float64 mean,
     to the precision the true weight holds): agreeing on node 0's weights, say, would not do."""
-    run_script(REPO / "tests/scripts/true_weights_fit.py", [tmp_path / "out"], timeout=240)
+    # one world of 4 ranks forked after the launch's imports (one OpenMP thread each, as Lightning's launcher gives
+    # 4 ranks on 2 cores)
+    ended, _ = run_worlds([{"tag": "local_sgd", "call": "tests.scripts.true_weights_fit:main",
+                            "args": [str(tmp_path / "out")], "devices": 4, "env": {"OMP_NUM_THREADS": "1"}}],
+                          tmp_path / "launch", timeout=240)
+    assert_exited(ended, "local_sgd", [0] * 4)
     ranks = [torch.load(tmp_path / f"out.rank{r}.pt") for r in range(4)]
     for master in ("fp32", "kahan"):
         steps = [r[master] for r in ranks]

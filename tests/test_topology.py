@@ -1,7 +1,8 @@
 """Who is where (lightning_horizon/topology.py): ranks on nodes, the node and cross-node groups, the placement table.
 
-In-process tests check the arithmetic without a process group; the multi-process test launches two emulated nodes
-by NODE_RANK (real gloo runs of tests/scripts/fit.py) and checks the groups and the table the strategy builds.
+In-process tests check the arithmetic without a process group; the multi-process test runs two emulated nodes
+by NODE_RANK (real gloo runs of tests/scripts/fit.py, each node's ranks forked after its launch's imports) and
+checks the groups and the table the strategy builds.
 """
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 
 from lightning_horizon import cpu
 from lightning_horizon.topology import ProcessGroups, Topology, check_ranks_per_node, cpulist, placement_table
-from tests.scripts.fit import launch
+from tests.scripts.fit import launch_forked
 
 # ------------------------------------------------------------------ Topology and check_ranks_per_node
 
@@ -108,7 +109,7 @@ def test_two_nodes_by_node_rank_groups_and_shared_cores(tmp_path):
         {"name": "ddp", "strategy": "ddp", "devices": 2, "num_nodes": 2, "max_steps": 4},
         {"name": "horizon", "strategy": "horizon", "devices": 2, "num_nodes": 2, "max_steps": 4},
     ]
-    res = launch(tmp_path, runs, nodes=2, tasksets=[["taskset", "-c", "0"], ["taskset", "-c", "1"]])
+    res = launch_forked(tmp_path, runs, nodes=2, devices=2, tasksets=[["taskset", "-c", "0"], ["taskset", "-c", "1"]])
     ours = res["horizon"]
     assert sorted(ours) == [0, 1, 2, 3]
     for rank, info in ours.items():

@@ -1,9 +1,10 @@
 """A 2-rank DDP run (gloo, CPU) through a spike and a NaN; every rank writes what GradNormBackoff decided.
 
-Usage: python tests/scripts/backoff_fit.py OUT_DIR [MAX_STEPS]. Lightning's launcher re-executes this file for
-rank 1. The spike is injected on rank 0 only and the NaN on rank 1 only: both ranks must still decide alike.
-Writes OUT_DIR/rank{r}.json with, per optimizer step, the callback's norm/scale/counters, the lrs the step used
-and a hash of the weights after the step.
+Usage: python tests/scripts/backoff_fit.py OUT_DIR [MAX_STEPS] (Lightning's launcher re-executes this file for
+rank 1), or ``main(OUT_DIR, MAX_STEPS)`` in each of 2 ranks forked after the imports (tests/launch.py's
+``run_worlds``, as tests/test_grad_norm_backoff.py runs it). The spike is injected on rank 0 only and the NaN on
+rank 1 only: both ranks must still decide alike. Writes OUT_DIR/rank{r}.json with, per optimizer step, the
+callback's norm/scale/counters, the lrs the step used and a hash of the weights after the step.
 """
 
 from __future__ import annotations
@@ -72,9 +73,8 @@ class Net(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-def main() -> None:
-    out = Path(sys.argv[1])
-    max_steps = int(sys.argv[2]) if len(sys.argv) > 2 else 10
+def main(out_dir: str, max_steps: int = 10) -> None:
+    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     L.seed_everything(0, verbose=False)
     backoff = GradNormBackoff(max_norm=1.0, spike_threshold=1e4, factor=0.8, recover_after=2)
@@ -92,4 +92,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1], *map(int, sys.argv[2:3]))

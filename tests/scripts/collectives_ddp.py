@@ -1,23 +1,20 @@
 """Raw torch DDP on gloo, 4 ranks = 2 emulated nodes x 2, checking every comm hook against DDP's own allreduce.
 
-Run by tests/test_collectives.py through tests/launch.run_script (hard timeout, process-group kill). Writes one
-JSON file of named checks ``{name: {"ok": bool, "detail": str}}``; each pytest test asserts one of them.
-
-    python tests/scripts/collectives_ddp.py OUT.json
+Run by tests/test_collectives.py as a world of 4 ranks forked from one launch (tests/launch.run_worlds: hard
+timeout, process-group kill), each rank calling ``main(OUT.json)`` with the variables a launcher gives its ranks
+(LOCAL_RANK, MASTER_ADDR, MASTER_PORT). Rank 0 writes one JSON file of named checks ``{name: {"ok": bool,
+"detail": str}}``; each pytest test asserts one of them.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import socket
-import sys
 import time
 import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_horizon.collectives import CollectivesConfig, CostModel, GradientSync
@@ -396,8 +393,8 @@ def result(ok: bool, detail: str) -> dict:
     return {"ok": bool(ok), "detail": detail}
 
 
-def worker(rank: int, port: int, out_path: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def main(out_path: str) -> None:
+    rank = int(os.environ["LOCAL_RANK"])
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     groups = ProcessGroups(Topology(world_size=WORLD, rank=rank, ranks_per_node=PER_NODE))
@@ -452,13 +449,3 @@ class Clock:
         if self.rank == 0:
             print(f"[collectives_ddp] {what}: {now - self.last:.1f} s", flush=True)
         self.last = now
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-if __name__ == "__main__":
-    mp.start_processes(worker, args=(free_port(), sys.argv[1]), nprocs=WORLD, start_method="fork")

@@ -1,10 +1,10 @@
 """Lightning fits with HorizonStrategy(collectives=...): 4 ranks as 2 emulated nodes x 2, several fits per launch.
 
-Lightning's launcher re-runs this script for local ranks 1..3; rank 0 sets LOCAL_RANK after the first launch,
-so the later fits reuse the same processes and process group. Every rank writes OUT_PREFIX.rank{R}.json:
-``{run name: {...what that rank saw...}}``.
-
-    python tests/scripts/collectives_fit.py OUT_PREFIX WORKDIR
+tests/test_collectives.py runs ``main(OUT_PREFIX, WORKDIR)`` in a world of 4 ranks forked from one launch
+(tests/launch.run_worlds), with the variables Lightning's launcher gives its ranks; run as a script (``python
+tests/scripts/collectives_fit.py OUT_PREFIX WORKDIR``), Lightning's launcher re-runs it for local ranks 1..3 and rank
+0 sets LOCAL_RANK after the first launch. Either way the later fits reuse the same processes and process group.
+Every rank writes OUT_PREFIX.rank{R}.json: ``{run name: {...what that rank saw...}}``.
 """
 
 import json

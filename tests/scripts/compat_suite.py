@@ -3,9 +3,9 @@
 usage: python compat_suite.py STRATEGY OUT_DIR [--devices N] [--only SCENARIO,...] [--resume-from CKPT]
 
 STRATEGY is a registered name ("ddp" for Lightning's own, "horizon" for ours). Every scenario below runs in
-order in this one job (N ranks on the CPU, default 2): Lightning's launcher re-executes this script for
-the other local ranks, every rank builds the same Trainers in the same order, and later fits reuse the processes
-and the process group. Each rank writes OUT_DIR/rank{R}.json: {scenario: outcome}, an outcome being the numbers
+order in this one job (N ranks on the CPU, default 2): every rank builds the same Trainers in the same order, and
+later fits reuse the processes and the process group. Run as a script, Lightning's launcher re-executes it for the
+other local ranks; tests/test_ddp_compat.py calls ``main(...)`` in each rank of a world forked from its launch. Each rank writes OUT_DIR/rank{R}.json: {scenario: outcome}, an outcome being the numbers
 a user sees (weight sums, logged metrics, checkpoint names, predictions, the tuner's answers) or the error
 ("error: Type: first line"). tests/test_ddp_compat.py runs it once per strategy and compares the two.
 --resume-from names the other strategy's last.ckpt (of its early_stop_checkpoint scenario, the same state as

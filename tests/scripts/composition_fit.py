@@ -1,8 +1,9 @@
 """The runs of the composition matrix: python composition_fit.py CONFIG.json OUT_DIR
 
-CONFIG holds {"runs": [{...}, ...]}, all with the same number of processes; every rank runs them in order
-(Lightning's launcher re-executes this script for the other local ranks; later fits reuse the processes and the
-process group). A run is
+CONFIG holds {"runs": [{...}, ...]}, all with the same number of processes; every rank runs them in order, later
+fits reusing the processes and the process group. tests/test_composition.py calls ``main(CONFIG, OUT_DIR)`` in each
+rank of a world forked from one launch (tests/launch.run_worlds); run as a script, Lightning's launcher re-executes
+it for the other local ranks. A run is
 
     {"name": ..., "model": KIND, "optimization": "automatic"|"manual"|"manual-twice"|"accumulate", "world": 1|2|4,
      "ranks_per_node": 1|2, "precision": "32-true"|"64-true"|{HorizonPrecision kwargs},
@@ -28,7 +29,7 @@ injects a NaN loss on the last rank in training step 1 and a spike on rank 0 in 
 Each run writes OUT_DIR/NAME.rank{R}.pt as soon as it ends: the true weights after every optimizer step (fp32
 masters / bf16 + compensation under bf16-true), the final buffers, what reached user code that should not have
 (FakeTensor, meta), the backoff counters, the recompute count, or the error. An unexpected error in a
-multi-process launch ends the process (its peers may be left mid-collective): the test relaunches the runs after it.
+multi-process world ends the process (its peers may be left mid-collective): the test relaunches the runs after it.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """Drop-in checks against Lightning's ddp, several fits in one launch: who calls ``torch.save`` while checkpoints
 are written, and how a DataLoader subclass that takes its sampler positionally is re-instantiated.
 
-usage: python dropin_fit.py OUT_PREFIX
+usage: python dropin_fit.py OUT_PREFIX   (tests/test_ddp_dropin.py calls ``main(OUT_PREFIX)`` in each rank of a world
+forked from its launch)
 
-Every rank runs the same fits in the same order (Lightning's launcher re-executes this script for rank 1) and
+Every rank runs the same fits in the same order (run as a script, Lightning's launcher re-executes it for rank 1) and
 writes OUT_PREFIX.rank{R}.json: ``{"saves": {run: {"calls": [caller, ...], "sent": digest, "file": digests}},
 "loaders": {"strategy/source": outcome}}`` (see dropin_loader.py). "sent" is the digest of the per-rank state this
 rank gathered at its last checkpoint, "file" (rank 0) that of every rank's state in the last checkpoint file.

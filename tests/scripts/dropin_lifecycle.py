@@ -3,7 +3,8 @@ unused parameter gets.
 
 usage: python dropin_lifecycle.py threads OUT.json
        python dropin_lifecycle.py unused OUT.json '{"collectives": ..., ...}'   (HorizonStrategy kwargs)
-Lightning's launcher re-runs this script for rank 1; rank 0 writes OUT.json.
+Run as a script, Lightning's launcher re-runs it for rank 1; tests/test_ddp_dropin.py calls ``main(...)`` in each rank
+of a world forked from its launch instead. Rank 0 writes OUT.json.
 """
 
 import json

@@ -5,7 +5,7 @@ usage: python fit.py CONFIG.json OUT_PREFIX
 CONFIG holds {"runs": [{...}, ...]}; each run names a strategy ("ddp" for Lightning's own, "horizon" for ours),
 its kwargs, devices, num_nodes and the training variant. Lightning's launcher re-executes this script for the
 other local ranks, so every rank runs the same runs in the same order; each writes OUT_PREFIX.rank{R}.json.
-The tests start it with :func:`launch`.
+The tests start it with :func:`launch`, or fork every rank from one process with :func:`launch_forked`.
 """
 
 import json
@@ -165,6 +165,37 @@ def launch(tmp_path, runs, *, nodes=1, tasksets=None, timeout=240):
             port = s.getsockname()[1]
         env = lambda n: {"NODE_RANK": str(n), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # noqa: E731
         run_scripts([(script, [cfg, prefix], env(n)) for n in range(nodes)], timeout=timeout, prefixes=tasksets)
+    return _results(tmp_path)
+
+
+def launch_forked(tmp_path, runs, *, nodes, devices, tasksets=None, timeout=240):
+    """As :func:`launch` with ``nodes`` launches (one per emulated node, started with NODE_RANK as on a cluster;
+    ``tasksets``: a command prefix per node), but each node's launch forks its ``devices`` ranks after its imports
+    (tests/scripts/forked_worlds.py) with the variables Lightning's launcher gives the ranks it starts (LOCAL_RANK,
+    WORLD_SIZE, MASTER_ADDR/PORT; one OpenMP thread: its cores // processes here), so that Lightning starts none."""
+    from lightning.fabric.plugins.environments.lightning import find_free_network_port
+
+    from tests.launch import FORKED_WORLDS, run_scripts
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"runs": runs}))
+    port, launches = find_free_network_port(), []
+    for n in range(nodes):
+        work = tmp_path / f"node{n}"
+        work.mkdir()
+        ranks = [{"call": "tests.scripts.fit:main", "args": [str(cfg), str(tmp_path / "out")],
+                  "env": {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "NODE_RANK": n, "LOCAL_RANK": r,
+                          "WORLD_SIZE": nodes * devices, "OMP_NUM_THREADS": 1}} for r in range(devices)]
+        (work / "jobs.json").write_text(json.dumps({"jobs": [{"tag": "ranks", "processes": ranks}]}))
+        launches.append((FORKED_WORLDS, [work / "jobs.json", work], None))
+    outs = run_scripts(launches, timeout=timeout, prefixes=tasksets)
+    for n, out in enumerate(outs):
+        exits = [json.loads(line)["exit"] for line in (tmp_path / f"node{n}" / "exits.jsonl").read_text().splitlines()]
+        assert exits == [[0] * devices], f"node {n}'s ranks exited {exits}:\n{out.stdout[-6000:]}"
+    return _results(tmp_path)
+
+
+def _results(tmp_path):
     results = {}
     for path in sorted(tmp_path.glob("out.rank*.json")):
         for info in json.loads(path.read_text()):

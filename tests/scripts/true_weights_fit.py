@@ -1,6 +1,7 @@
 """Local SGD (sync_every=2) over 2 emulated nodes x 2 ranks, with each HorizonPrecision bf16-true master.
 
-usage: python true_weights_fit.py OUT_PREFIX
+usage: python true_weights_fit.py OUT_PREFIX (under Lightning's launcher), or ``main(OUT_PREFIX)`` in each of 4 ranks
+forked after the imports (tests/launch.py's ``run_worlds``, as tests/test_state.py runs it)
 
 Every rank trains on its own data, so the nodes' weights drift apart between averages. After every optimizer
 step each rank records its TRUE weights, read through the strategy's TrainingState (the fp32 master, or the bf16

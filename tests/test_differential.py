@@ -26,11 +26,30 @@ from tests.differential.session import (Outcome, coverage, evaluate, format_cove
                                         run_session)
 from tests.differential.shrink import shrink
 from tests.differential.space import (REFUSED, constrain, draw, key, refusal, refused_examples, simplest,
-                                      twin_changes)
+                                      summary, twin_changes)
 
 pytestmark = pytest.mark.timeout(1800)
 
-CI_SEEDS = {1: range(12), 2: range(12)}
+CI_SEEDS = {1: range(10), 2: range(6)}
+_W2 = {"world": 2, "rpn": 1, "bucket_mb": 0.0005, "steps": 4, "ckpt_during": True}  # 2 nodes x 1
+_W4 = {"world": 4, "rpn": 2, "bucket_mb": 0.0005}  # 2 nodes x 2
+#: one example per capability that needs 2 nodes (drawn at 4 ranks only in the slow runs), in the launches of 2 and
+#: 4 ranks: every collectives algorithm, each codec, local SGD ending on an average and between two
+FIXED = [
+    {**simplest(2, seed=21), **_W2, "compression": "int8", "resume": {"from": "during", "layout": "same"},
+     "save_after": True, "model": {**simplest()["model"], "tied": True}, "precision": "32-true", "sharding": "auto"},
+    {**simplest(2, seed=22), **_W2, "sync_every": 3, "optimizer": {"name": "Adamax", "kwargs": {"lr": 2e-2}},
+     "resume": {"from": "during", "layout": "same"}},
+    # the same example but for the collectives and the codec: one Lightning "ddp" fit is the reference of both
+    {**simplest(4, seed=23), **_W4, "collectives": "torus2d", "torus_shape": [1, 4], "compression": "bf16"},
+    {**simplest(4, seed=23), **_W4, "collectives": "hierarchical", "compression": "int8"},
+    {**simplest(4, seed=23), **_W4, "collectives": "auto", "cost_model": "slow",
+     "optimizer": {"name": "Adagrad", "kwargs": {"lr": 0.1, "initial_accumulator_value": 0.1, "lr_decay": 0.01}}},
+]
+#: library defects found by the tester and not fixed yet: the example's index in FIXED -> the defect
+KNOWN = {  # resumes are compared with the uninterrupted fit: bitwise, as promised
+    1: "local SGD averages float64 weights in fp32 (TrainingState.read/average): 4e-8 off in float64",
+}
 #: a planted defect: every reference's learning rate x (1 + 1e-6), on an example a few simplifications from simplest
 PLANTED = {**simplest(1, seed=3), "optimizer": {"name": "Adam", "kwargs": {"lr": 1e-2}}, "accumulate": 2,
            "scheduler": {"name": "StepLR", "interval": "step"}, "model": {**simplest()["model"], "groups": True},
@@ -39,15 +58,15 @@ SHRINK = os.environ.get("DIFFERENTIAL_SHRINK", "1") != "0"
 
 
 def ci_examples() -> list[dict]:
-    return [draw(s, w) for w, seeds in CI_SEEDS.items() for s in seeds]
+    return [draw(s, w) for w, seeds in CI_SEEDS.items() for s in seeds] + [constrain(ex) for ex in FIXED]
 
 
 # ---------------------------------------------------------------------------------------------- no processes
 
 
 def test_generator_is_deterministic_constrained_and_compared_with_a_reference():
-    examples = [draw(s, w) for w in (1, 2, 4) for s in range(400)]
-    assert examples == [draw(s, w) for w in (1, 2, 4) for s in range(400)]
+    examples = [draw(s, w) for w in (1, 2, 4) for s in range(1000)]
+    assert examples == [draw(s, w) for w in (1, 2, 4) for s in range(1000)]
     assert all(constrain(ex) == ex for ex in examples)  # constraints are a fixed point of every draw
     for ex in examples:
         p = plan(ex)
@@ -68,6 +87,7 @@ def test_ci_examples_draw_every_capability_and_lifecycle_step():
         "store": {"auto", "after_backward"}, "sharding": {"auto", "forced"},
         "precision": {"64-true", "32-true", "bf16-mixed", "bf16-true+fp32", "bf16-true+kahan"},
         "optimization": {"automatic", "manual"}, "accumulate": {1, 2},
+        "compression": {"None", "bf16", "int8"}, "sync_every": {1, 2, 3},
     }
     for dim, values in wanted.items():
         assert values <= {k for k, v in c[dim].items() if v}, (dim, c[dim])
@@ -79,12 +99,14 @@ def test_ci_examples_draw_every_capability_and_lifecycle_step():
     assert all(c["model flags"][f] for f in ("tied", "frozen", "never", "sometimes", "batchnorm", "groups"))
     assert len([k for k, v in c["optimizer"].items() if v]) >= 9
     assert {k for k, v in c["refused"].items() if v} >= {r[0] for r in REFUSED}
+    assert {k.split()[0] for k, v in c["collectives"].items() if v} == {"flat", "hierarchical", "torus2d", "auto"}
+    assert all(constrain(ex) == ex for ex in ci_examples())  # the fixed examples mean what they say
 
 
 def test_shrinker_reduces_a_synthetic_failure_to_its_cause():
     """A failure that needs node_sharded + Adagrad + a checkpoint after fit, drawn inside a rich example, shrinks to
     exactly those on the simplest example, in a few batches."""
-    ex = constrain({**draw(5, 4), "state": "node_sharded", "store": None, "save_after": True,
+    ex = constrain({**draw(5, 4), "state": "node_sharded", "store": None, "save_after": True, "compression": None,
                     "optimizer": {"name": "Adagrad", "kwargs": {"lr": 0.1, "initial_accumulator_value": 0.1,
                                                                 "lr_decay": 0.01}}})
     assert refusal(ex) is None and ex["state"] == "node_sharded"
@@ -108,14 +130,19 @@ def test_shrinker_reduces_a_synthetic_failure_to_its_cause():
     assert shrink(ex, lambda batch: [False] * len(batch)) == (ex, [])
 
 
-def test_construction_refusal_names_both_options():
-    from lightning_horizon import HorizonStrategy
+@pytest.mark.parametrize("index", [i for i, r in enumerate(REFUSED) if r[3] == "construction"],
+                         ids=lambda i: REFUSED[i][0])
+def test_construction_refusal_names_both_options(index):
+    """In this process, as the fit script constructs it: no ranks needed."""
+    from tests.differential.plan import spec
+    from tests.scripts.differential_fit import strategy_of
 
-    name, _when, phrases, at, _doc = REFUSED[0]
-    assert at == "construction"
+    ex = refused_examples()[index]
+    name, phrases, at = refusal(ex)
+    assert (name, at) == (REFUSED[index][0], "construction")
     with pytest.raises(ValueError) as err:
-        HorizonStrategy(state="node_sharded", state_store="auto")
-    assert all(p in str(err.value) for p in phrases(refused_examples()[0])), str(err.value)
+        strategy_of(spec("horizon", ex))
+    assert all(p in str(err.value) for p in phrases), str(err.value)
 
 
 # ---------------------------------------------------------------------------------------------- real ranks
@@ -126,7 +153,9 @@ def session(tmp_path_factory):
     """Every CI example, the refused ones and the planted one, in one launch per world size."""
     work = tmp_path_factory.mktemp("differential")
     runner = Runner(work)
-    examples = ci_examples() + refused_examples() + [PLANTED]
+    # the refusals at construction are checked in this process (test_construction_refusal_names_both_options)
+    examples = ci_examples() + [ex for ex, r in zip(refused_examples(), REFUSED) if r[3] != "construction"] \
+        + [PLANTED]
     outcomes = evaluate(examples, runner)
     launches = ", ".join(f"{w} rank(s) x {n} fits: {s:.0f}s" for w, n, s in runner.timings)
     print(f"\ndifferential: {len(examples)} examples, {sum(len(o.plan.specs()) for o in outcomes)} fits ({launches})")
@@ -148,7 +177,19 @@ def test_example(world, seed, session):
     assert not o.failed, _failure(o, runner)
 
 
-@pytest.mark.parametrize("index", range(len(REFUSED)), ids=[r[0] for r in REFUSED])
+@pytest.mark.parametrize("index", range(len(FIXED)), ids=lambda i: summary(constrain(FIXED[i])).replace(" ", "-"))
+def test_fixed_example(index, session):
+    runner, outcomes = session
+    o = outcomes[key(constrain(FIXED[index]))]
+    print(f"{summary(o.ex)}: measured {o.measured}")
+    if index in KNOWN:  # fails against "ddp" only, as known (a fix makes this fail: then the entry goes)
+        assert o.failed and all(c.startswith("ddp:") for c in signature(o.problems)), report(o)
+        pytest.xfail(KNOWN[index])
+    assert not o.failed, _failure(o, runner)
+
+
+@pytest.mark.parametrize("index", [i for i, r in enumerate(REFUSED) if r[3] != "construction"],
+                         ids=lambda i: REFUSED[i][0])
 def test_refused_combination_raises_naming_both_sides(index, session):
     runner, outcomes = session
     o = outcomes[key(refused_examples()[index])]

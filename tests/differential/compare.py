@@ -24,10 +24,13 @@ OWN_CALLBACKS = ("GradNormBackoff", "RefClip")
 
 
 class Diff:
-    """Collects problems under a category prefix, and the largest relative deviation seen."""
+    """Collects problems under a category prefix, and the largest relative deviation seen. ``on_update``: weights
+    are compared by the relative deviation of the training update, ``|w - w_ref| / |w_ref - w0|`` over every
+    parameter (where the tolerance is a codec's documented bound on it)."""
 
-    def __init__(self, tol: float) -> None:
+    def __init__(self, tol: float, on_update: bool = False) -> None:
         self.tol = tol
+        self.on_update = on_update
         self.problems: list[Problem] = []
         self.worst = 0.0
 
@@ -117,9 +120,23 @@ class Diff:
                         self.tree(cat, f"{path}[{i}]['state'][{idx}][{k!r}]", here[k], there[k],
                                   scale=scales.get(k) or None)
 
-    def named(self, cat: str, path: str, a: dict, b: dict) -> None:
-        """Named tensors (weights, buffers, a state_dict), relative to the largest magnitude among them."""
-        self.tree(cat, path, a, b, scale=largest(b) or None)
+    def named(self, cat: str, path: str, a: dict, b: dict, initial: Optional[dict] = None) -> None:
+        """Named tensors (weights, buffers, a state_dict), relative to the largest magnitude among them; with
+        ``on_update`` and the weights before fit (``initial``), the parameters among them by their update."""
+        if not (self.on_update and initial is not None):
+            self.tree(cat, path, a, b, scale=largest(b) or None)
+            return
+        params = [k for k in b if k in initial and k in a and isinstance(b[k], torch.Tensor)
+                  and b[k].is_floating_point() and b[k].shape == initial[k].shape]
+        self.tree(cat, path, {k: v for k, v in a.items() if k not in params},
+                  {k: v for k, v in b.items() if k not in params}, scale=largest(b) or None)
+        num = math.sqrt(sum(float((a[k].double() - b[k].double()).square().sum()) for k in params))
+        den = math.sqrt(sum(float((b[k].double() - initial[k].double()).square().sum()) for k in params))
+        dev = num / den if den > 0 else (0.0 if num == 0 else math.inf)
+        self.worst = max(self.worst, dev)
+        if not dev <= self.tol:
+            self.add(cat, f"{path}: relative deviation of the training update {dev:.3g} (|w - w_ref| {num:.3g},"
+                          f" |w_ref - w0| {den:.3g}, allowed {self.tol:g})")
 
 
 def largest(x: Any) -> float:
@@ -175,7 +192,8 @@ def comparable_checkpoint(ckpt: dict, name: str, other: dict) -> dict:
     return normalize(ckpt, name)
 
 
-def compare_checkpoints(d: Diff, cat: str, a_spec: dict, b_spec: dict, runner: Runner, which: str) -> None:
+def compare_checkpoints(d: Diff, cat: str, a_spec: dict, b_spec: dict, runner: Runner, which: str,
+                        initial: Optional[dict] = None) -> None:
     a, b = runner.checkpoint(ckpt_path(a_spec, which)), runner.checkpoint(ckpt_path(b_spec, which))
     if a is None or b is None:
         d.add(cat, f"checkpoint {which} fit: {'missing' if a is None else 'present'} here,"
@@ -189,7 +207,7 @@ def compare_checkpoints(d: Diff, cat: str, a_spec: dict, b_spec: dict, runner: R
         if k not in b:
             continue
         if k == "state_dict":
-            d.named(cat, "checkpoint['state_dict']", a[k], b[k])
+            d.named(cat, "checkpoint['state_dict']", a[k], b[k], initial)
         elif k == "optimizer_states":
             d.optimizers(cat, "checkpoint['optimizer_states']", a[k], b[k])
         else:
@@ -208,7 +226,7 @@ def compare_ranks(d: Diff, prefix: str, a_ex: dict, b_ex: dict, a: list[dict], b
         d.value(f"{prefix}global_step", f"rank {r} global_step", x["global_step"], y["global_step"])
         lb = y["losses"][len(y["losses"]) - len(x["losses"]):] if loss_tail else y["losses"]
         d.tree(f"{prefix}losses", f"rank {r} losses", x["losses"], lb)
-        d.named(f"{prefix}weights", f"rank {r} weights", x["weights"], y["weights"])
+        d.named(f"{prefix}weights", f"rank {r} weights", x["weights"], y["weights"], y.get("initial"))
         if r == 0 or not own_buffers:  # node_sharded: buffers are broadcast from rank 0 at setup only (node_state.md)
             d.named(f"{prefix}buffers", f"rank {r} buffers", x["buffers"], y["buffers"])
         if not sharded:
@@ -286,17 +304,20 @@ def _check(p: Plan, runner: Runner) -> tuple[list[Problem], dict[str, float]]:
     problems += d.problems
     main = runner.tensors(p.main) if main_ok else None
     for role, ref in p.refs.items():
-        d = Diff(tolerance(role))
+        d = Diff(tolerance(role, ex), on_update=role == "ddp" and ex["compression"] is not None)
         if ran(d, role, ref, runner) and main is not None:
-            compare_ranks(d, f"{role}:", ex, ref["ex"], main, runner.tensors(ref))
+            ranks = runner.tensors(ref)
+            compare_ranks(d, f"{role}:", ex, ref["ex"], main, ranks)
             for which, flag in (("during", "ckpt_during"), ("after", "save_after")):
                 if ex[flag]:
-                    compare_checkpoints(d, f"{role}:ckpt_{which}", p.main, ref, runner, which)
+                    compare_checkpoints(d, f"{role}:ckpt_{which}", p.main, ref, runner, which,
+                                        ranks[0].get("initial"))
         measured[role] = d.worst
         problems += d.problems
     if p.resumed is not None and p.resumed_against is not None:
         against, tol = p.resumed_against
-        d = Diff(tol)
+        d = Diff(tol, on_update=against == "resumed_ref" and p.resumed_ref["engine"] == "ddp"
+                 and ex["compression"] is not None)
         if ran(d, "resumed", p.resumed, runner):
             if against == "main" and main is not None:
                 compare_ranks(d, "resumed:", p.resumed["ex"], ex, runner.tensors(p.resumed), main, loss_tail=True)

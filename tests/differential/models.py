@@ -242,6 +242,30 @@ class RefClip(L.Callback):
         torch.nn.utils.clip_grad_norm_(params, self.max_norm)
 
 
+class NodeAverage(L.Callback):
+    """The reference's local SGD average: after every ``every``-th batch that stepped the optimizers, each parameter
+    becomes the mean over the world, which is the mean of the nodes' (a node's ranks hold the same weights)."""
+
+    def __init__(self, every: int) -> None:
+        self.every = every
+        self.stepped = 0
+        self._last_step = 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self._last_step:
+            return  # an accumulation micro-batch
+        self._last_step = trainer.global_step
+        self.stepped += 1
+        if self.stepped % self.every:
+            return
+        world = torch.distributed.get_world_size()
+        with torch.no_grad():
+            for p in pl_module.parameters():
+                if p.requires_grad:
+                    torch.distributed.all_reduce(p.data)
+                    p.data.div_(world)
+
+
 def subject_class(ex: dict) -> type:
     """Subject, with ``configure_gradient_clipping`` only where the example clips there (a store steps after
     backward when the module overrides it)."""
@@ -255,5 +279,5 @@ def subject_class(ex: dict) -> type:
     return type("ClippingSubject", (Subject,), {"configure_gradient_clipping": configure_gradient_clipping})
 
 
-__all__ = ["BATCH", "RefClip", "Subject", "UserAdam", "dataset", "make_optimizer", "make_scheduler",
+__all__ = ["BATCH", "NodeAverage", "RefClip", "Subject", "UserAdam", "dataset", "make_optimizer", "make_scheduler",
            "subject_class"]

@@ -107,7 +107,10 @@ def coverage(examples: list[dict]) -> dict[str, collections.Counter]:
         c["state"][ex["state"] if ex["rpn"] > 1 or ex["state"] == "replicated" else "node_sharded (1 per node)"] += 1
         c["store"][ex["store"]["step"] if ex["store"] else "-"] += 1
         c["sharding"][ex["sharding"] or "-"] += 1
-        c["collectives"][ex["collectives"]] += 1
+        c["collectives"][ex["collectives"] + (f" {ex['torus_shape'][0]}x{ex['torus_shape'][1]}" if ex["torus_shape"]
+                                              else "") + (f" ({ex['cost_model']})" if ex["cost_model"] else "")] += 1
+        c["compression"][str(ex["compression"])] += 1
+        c["sync_every"][ex["sync_every"]] += 1
         c["backoff"][str(ex["backoff"]["max_norm"]) if ex["backoff"] else "-"] += 1
         c["precision"][ex["precision"]] += 1
     return c

@@ -49,6 +49,17 @@ EVAL_KINDS = ("validate", "test", "predict")
 #: (from a store)
 RESUME_LAYOUTS = ("same", "world1", "replicated", "ram")
 EPOCH_STEPS = 2  # training steps per epoch: the mid-fit checkpoint at step 2 is an epoch boundary (exact resume)
+COLLECTIVES = ("flat", "hierarchical", "torus2d", "auto")
+#: torus2d's grids at 2 nodes x 2 (None: rows are nodes, the hierarchical groups; (4, 1): one row across both
+#: nodes; (1, 4): one column of every rank)
+TORUS_SHAPES = (None, [4, 1], [1, 4])
+#: link constants for "auto" instead of its probe (a probe's timing would make the choice, so the bits, vary):
+#: "slow": a slow inter-node link (two-level algorithms win), "fast": links of one speed (flat wins small buckets)
+COST_MODELS = {"slow": {"intra": [1e-6, 1e-10], "inter": [1e-4, 1e-8]},
+               "fast": {"intra": [1e-5, 1e-9], "inter": [1e-5, 1e-9]}}
+COMPRESSIONS = (None, "bf16", "int8")
+#: local SGD's periods: 2 ends every fit of 2 or 4 steps right after an average, 3 between two averages
+SYNC_EVERY = (1, 2, 3)
 
 
 #: optimizers whose step does not shrink with the gradient: Rprop steps by its sign, Adafactor normalizes it by its
@@ -97,7 +108,6 @@ def draw(seed: int, world: int) -> dict:
         "store": ({"step": rng.choice(STORE_STEPS), "prefetch": rng.choice(("read", "readahead", "none"))}
                   if coin(0.3) else None),
         "sharding": _pick(rng, {None: 6, "auto": 1, "forced": 2}),
-        "collectives": rng.choice(("flat", "hierarchical")) if (world == 4 and rpn == 2) else "flat",
         # 512 B: several buckets (owners) even for a tiny model; 1 MiB: one bucket, all of it on one owner
         "bucket_mb": _pick(rng, {0.0005: 3, 1.0: 1}),
         "backoff": {"max_norm": rng.choice((0.05, 10.0, None))} if coin(0.25) else None,
@@ -106,6 +116,14 @@ def draw(seed: int, world: int) -> dict:
         "steps": _pick(rng, {4: 4, 2: 1}),
     }
     keep_refused = coin(0.25)
+    # drawn last, so that adding them left every earlier choice of a seed as it was
+    nodes = world // rpn
+    ex["collectives"] = _pick(rng, {"flat": 3, "hierarchical": 2, "torus2d": 2, "auto": 2}) \
+        if (world == 4 and rpn == 2) else "flat"
+    ex["torus_shape"] = rng.choice(TORUS_SHAPES)
+    ex["cost_model"] = rng.choice(list(COST_MODELS))
+    ex["compression"] = _pick(rng, {None: 3, "bf16": 1, "int8": 1}) if world > 1 else None
+    ex["sync_every"] = _pick(rng, {1: 3, 2: 2, 3: 1}) if nodes == 2 else 1
     ex = constrain(ex)
     if refusal(ex) is not None and not keep_refused:
         ex = unrefuse(ex)
@@ -120,14 +138,20 @@ def simplest(world: int = 1, seed: int = 0) -> dict:
             "optimization": "automatic", "accumulate": 1, "clip": None, "skip_batch": None, "validate": False,
             "ckpt_during": False, "save_after": False, "resume": None, "eval": None, "state": "replicated",
             "store": None, "sharding": None, "collectives": "flat", "bucket_mb": 1.0, "backoff": None,
-            "precision": "64-true", "steps": 2}
+            "precision": "64-true", "steps": 2, "torus_shape": None, "cost_model": None, "compression": None,
+            "sync_every": 1}
 
 
 def refused_examples() -> list[dict]:
     """One example per entry of ``REFUSED``, on top of the simplest one."""
     base = simplest()
     sharded = {"world": 2, "rpn": 2, "state": "node_sharded", "bucket_mb": 0.0005}
+    nodes2 = {"world": 2, "rpn": 1, "bucket_mb": 0.0005}  # 2 nodes x 1
     out = [
+        {**base, **nodes2, "compression": "int8", "sync_every": 2},
+        {**base, "world": 4, "rpn": 2, "bucket_mb": 0.0005, "state": "node_sharded", "collectives": "torus2d"},
+        {**base, **sharded, "compression": "bf16"},
+        {**base, **nodes2, "state": "node_sharded", "sync_every": 2},
         {**base, **sharded, "store": {"step": "auto", "prefetch": "read"}},
         {**base, **sharded, "optimizer": {"name": "LBFGS", "kwargs": OPTIMIZERS["LBFGS"][0]}},
         {**base, "optimizer": {"name": "LBFGS", "kwargs": OPTIMIZERS["LBFGS"][0]}, "precision": "bf16-true+fp32",
@@ -155,7 +179,17 @@ def constrain(ex: dict) -> dict:
     world, rpn = ex["world"], ex["rpn"]
     ex["rpn"] = rpn = min(rpn, world)
     if ex["collectives"] != "flat" and not (world == 4 and rpn == 2):
-        ex["collectives"] = "flat"  # hierarchical needs 2 nodes of 2 ranks
+        ex["collectives"] = "flat"  # hierarchical, torus2d and auto need 2 nodes of 2 ranks
+    if ex["collectives"] != "torus2d":
+        ex["torus_shape"] = None  # torus2d's option
+    if ex["collectives"] != "auto":
+        ex["cost_model"] = None  # auto's option
+    elif ex["cost_model"] is None:
+        ex["cost_model"] = "slow"  # never the probe: its timings would choose the algorithm
+    if world == 1:
+        ex["compression"] = None  # compression needs several ranks
+    if world // rpn != 2:
+        ex["sync_every"] = 1  # local SGD needs 2 nodes
     if m["kind"] != "zoo":
         m["tied"] = m["batchnorm"] = False  # the demo models have no such layers
     if m["kind"] == "boring":
@@ -180,6 +214,18 @@ def constrain(ex: dict) -> dict:
         # another summation order draws other noise, which these optimizers turn into steps of full size: no
         # reference to compare with (our zoo's BatchNorm follows a nonlinearity, so no bias feeds it directly)
         ex["optimizer"] = {"name": "Adam", "kwargs": OPTIMIZERS["Adam"][0]}
+    if ex["compression"] is not None and ex["state"] != "node_sharded":  # (refused with node_sharded)
+        # the documented bound of a codec (composition.md, "Tolerances of 2d") is on SGD's update, which follows the
+        # gradient; an optimizer that normalizes the step turns a gradient's compression error into a step of full
+        # size. collectives.md: Lightning's clipping does not reach the error-feedback residuals (clip with
+        # GradNormBackoff)
+        if ex["optimizer"]["name"] != "SGD":
+            ex["optimizer"] = {"name": "SGD", "kwargs": OPTIMIZERS["SGD"][1]}
+        ex["second"] = "SGD"
+        ex["clip"] = None
+    if ex["sync_every"] > 1:
+        # buffers under local SGD (broadcast from rank 0 of the world or of the node?) are not documented
+        m["batchnorm"] = False
     if ex["skip_batch"] is not None and world > 1:
         ex["skip_batch"] = None  # Lightning: "Skipping the training_step ... in distributed training is not supported"
     if ex["steps"] < 2 * EPOCH_STEPS:
@@ -211,6 +257,19 @@ def constrain(ex: dict) -> dict:
         # one rank against two trains other batches (compared with "ddp" resumed alike); node_sharded against
         # replicated differs by float64 rounding only
         ex["precision"] = "64-true"
+    if ex["sync_every"] > 1:
+        # the nodes hold different weights and optimizer states (collectives.md): a resume is promised exact in the
+        # same layout (reliability.md), evaluated from a checkpoint between two averages nothing is promised for
+        # the other nodes, and the reference (Lightning's "ddp" inside each node, tests/differential/plan.py)
+        # resumes rank 0's state on every node
+        if ex["sync_every"] % 2:
+            ex["eval"] = None
+        if r is not None:
+            r["from"], r["layout"] = "during", ("ram" if r["layout"] == "ram" else "same")
+            if ex["steps"] >= 2 * EPOCH_STEPS:
+                ex["ckpt_during"] = True
+            if not ex["ckpt_during"] or casts_on_load(ex):
+                ex["resume"] = None
     if resumed_against_ddp(ex):
         # "ddp" does not restore the RNG states on resume (strategy.md), HorizonStrategy does: dropout masks differ
         m["dropout"] = False
@@ -248,7 +307,17 @@ def _in_backward_conflicts(ex: dict) -> list[str]:
     return out
 
 
+#: in the order HorizonStrategy checks them (the first that matches is the one raised)
 REFUSED: list[Refusal] = [
+    ("compression with local SGD", lambda ex: ex["compression"] is not None and ex["sync_every"] > 1,
+     lambda ex: [f"compression={ex['compression']!r}", f"sync_every={ex['sync_every']}"], "construction",
+     "composition.md"),
+    ("node_sharded with torus2d", lambda ex: ex["state"] == "node_sharded" and ex["collectives"] == "torus2d",
+     lambda ex: ["collectives='torus2d'", "state='node_sharded'"], "construction", "node_state.md"),
+    ("node_sharded with compression", lambda ex: ex["state"] == "node_sharded" and ex["compression"] is not None,
+     lambda ex: [f"compression={ex['compression']!r}", "state='node_sharded'"], "construction", "node_state.md"),
+    ("node_sharded with local SGD", lambda ex: ex["state"] == "node_sharded" and ex["sync_every"] > 1,
+     lambda ex: [f"sync_every={ex['sync_every']}", "state='node_sharded'"], "construction", "node_state.md"),
     ("store with node_sharded", lambda ex: ex["store"] is not None and ex["state"] == "node_sharded",
      lambda ex: ["state_store=", "state='node_sharded'"], "construction", "out_of_core.md"),
     ("node_sharded with LBFGS", lambda ex: _sharded(ex) and ex["optimizer"]["name"] == "LBFGS",
@@ -279,7 +348,19 @@ def unrefuse(ex: dict) -> dict:
         if hit is None:
             break
         name = hit[0]
-        if name == "store with node_sharded":
+        keep_sharded = ex["seed"] % 2 == 0  # either side of the pair, by seed: both go on being drawn
+        if name == "compression with local SGD":
+            ex["sync_every" if keep_sharded else "compression"] = 1 if keep_sharded else None
+        elif name in ("node_sharded with torus2d", "node_sharded with compression", "node_sharded with local SGD") \
+                and not keep_sharded:
+            ex["state"] = "replicated"
+        elif name == "node_sharded with torus2d":
+            ex["collectives"] = "hierarchical"
+        elif name == "node_sharded with compression":
+            ex["compression"] = None
+        elif name == "node_sharded with local SGD":
+            ex["sync_every"] = 1
+        elif name == "store with node_sharded":
             ex["state"] = "replicated"
         elif "LBFGS" in name:
             ex["optimizer"] = {"name": "SGD", "kwargs": OPTIMIZERS["SGD"][1]}
@@ -373,12 +454,17 @@ def summary(ex: dict) -> str:
     if ex["sharding"]:
         parts.append(f"sharding-{ex['sharding']}")
     if ex["collectives"] != "flat":
-        parts.append(ex["collectives"])
+        parts.append(ex["collectives"] + (f"{ex['torus_shape'][0]}x{ex['torus_shape'][1]}" if ex["torus_shape"]
+                                          else "") + (f"-{ex['cost_model']}" if ex["cost_model"] else ""))
+    if ex["compression"]:
+        parts.append(f"compress-{ex['compression']}")
+    if ex["sync_every"] > 1:
+        parts.append(f"sync_every={ex['sync_every']}")
     if ex["backoff"]:
         parts.append(f"backoff={ex['backoff']['max_norm']}")
     parts += [ex["precision"], f"{ex['steps']}steps"]
     return " ".join(parts)
 
 
-__all__ = ["EPOCH_STEPS", "OPTIMIZERS", "REFUSED", "constrain", "draw", "key", "n_optimizers", "needs_unused",
+__all__ = ["COMPRESSIONS", "COST_MODELS", "EPOCH_STEPS", "OPTIMIZERS", "REFUSED", "constrain", "draw", "key", "n_optimizers", "needs_unused",
            "refused_examples", "refusal", "simplest", "summary", "twin_changes", "unrefuse"]

@@ -8,7 +8,9 @@ reuse the processes and the process group). A spec is
      "lifecycle": bool, "expect_error": [phrases]|null, "perturb": bool}
 
 ``engine="ddp"`` trains the example with Lightning's own DDPStrategy (GradNormBackoff becomes torch's
-``clip_grad_norm_`` at the same hook); ``lifecycle`` runs the example's checkpoints (ModelCheckpoint at the first
+``clip_grad_norm_`` at the same hook; local SGD, ``sync_every=k > 1``, becomes DDP inside each node, on the node's
+process group, and a callback that averages the parameters across the world after every k-th batch that stepped:
+the definition in docs/collectives.md, written plainly); ``lifecycle`` runs the example's checkpoints (ModelCheckpoint at the first
 epoch's end, ``trainer.save_checkpoint`` after fit) and its evaluation from a checkpoint; ``perturb`` is the planted
 defect of the tester's own test (the learning rate x (1 + 1e-6)).
 
@@ -42,8 +44,8 @@ if str(REPO) not in sys.path:
 
 from lightning_horizon import GradNormBackoff, HorizonPrecision, HorizonStrategy  # noqa: E402
 from lightning_horizon.store import StoreConfig  # noqa: E402
-from tests.differential.models import BATCH, RefClip, dataset, subject_class  # noqa: E402
-from tests.differential.space import EPOCH_STEPS, n_optimizers, needs_unused  # noqa: E402
+from tests.differential.models import BATCH, NodeAverage, RefClip, dataset, subject_class  # noqa: E402
+from tests.differential.space import COST_MODELS, EPOCH_STEPS, n_optimizers, needs_unused  # noqa: E402
 from tests.scripts.composition_fit import Squeeze, sharding_of, true_weights  # noqa: E402
 
 
@@ -77,17 +79,48 @@ def precision_args(name: str) -> dict:
     return {"plugins": [HorizonPrecision("bf16-true", master=master, compute="fp32")]}
 
 
+_NODE_GROUPS: dict = {}
+
+
+def node_group(rpn: int) -> Any:
+    """This rank's node as a process group (every rank creates every node's group, in the same order)."""
+    world = dist.get_world_size()
+    k = (id(dist.group.WORLD), rpn)
+    if k not in _NODE_GROUPS:
+        groups = [dist.new_group(list(range(n, n + rpn))) for n in range(0, world, rpn)]
+        _NODE_GROUPS[k] = groups[dist.get_rank() // rpn]
+    return _NODE_GROUPS[k]
+
+
+class NodeDDPStrategy(DDPStrategy):
+    """Lightning's "ddp" with DDP's gradient allreduce on the node's process group only (local SGD's reference)."""
+
+    def __init__(self, ranks_per_node: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.ranks_per_node = ranks_per_node
+
+    def setup(self, trainer: L.Trainer) -> None:
+        self._ddp_kwargs["process_group"] = node_group(self.ranks_per_node)  # the default group exists by now
+        super().setup(trainer)
+
+
 def strategy_of(spec: dict) -> Any:
     ex = spec["ex"]
     unused = needs_unused(ex) and not (ex["state"] == "node_sharded" and ex["rpn"] > 1)
     if spec["engine"] == "ddp":
         # the same buckets as horizon's: gloo's sum order over an element follows its bucket's size, and a
         # gradient that is rounding noise (a bias feeding BatchNorm) carries the order into the weights
-        return DDPStrategy(find_unused_parameters=needs_unused(ex), process_group_backend="gloo",
-                           timeout=timedelta(seconds=60), bucket_cap_mb=ex["bucket_mb"])
+        kwargs = dict(find_unused_parameters=needs_unused(ex), process_group_backend="gloo",
+                      timeout=timedelta(seconds=60), bucket_cap_mb=ex["bucket_mb"])
+        return NodeDDPStrategy(ex["rpn"], **kwargs) if ex["sync_every"] > 1 else DDPStrategy(**kwargs)
     kwargs: dict = {"ranks_per_node": ex["rpn"], "threads_per_rank": 1, "timeout": 60,
                     "bucket_size_mb": ex["bucket_mb"], "state": ex["state"], "collectives": ex["collectives"],
+                    "compression": ex["compression"], "sync_every": ex["sync_every"],
                     "sharding": sharding_of({"sharding": ex["sharding"]})}
+    if ex["torus_shape"] is not None:
+        kwargs["torus_shape"] = tuple(ex["torus_shape"])
+    if ex["cost_model"] is not None:
+        kwargs["cost_model"] = COST_MODELS[ex["cost_model"]]
     if ex["store"] is not None:
         kwargs["state_store"] = StoreConfig(step=ex["store"]["step"], prefetch=ex["store"]["prefetch"], probe_bytes=0)
     if unused and ex["world"] > 1:
@@ -120,6 +153,8 @@ def fit(spec: dict, out: Path, seen: dict) -> dict:
         callbacks.append(GradNormBackoff(max_norm=backoff["max_norm"], spike_threshold=None))
     elif backoff is not None and backoff["max_norm"] is not None:
         callbacks.append(RefClip(backoff["max_norm"]))
+    if spec["engine"] == "ddp" and ex["sync_every"] > 1:
+        callbacks.append(NodeAverage(ex["sync_every"]))
     if spec["engine"] == "horizon" and ex["sharding"] == "forced":
         callbacks.append(Squeeze())
     clip = ex["clip"] if ex["clip"] and ex["clip"]["where"] == "trainer" else None
@@ -140,13 +175,14 @@ def fit(spec: dict, out: Path, seen: dict) -> dict:
     train = DataLoader(dataset(kind, samples, 1234), batch_size=BATCH, shuffle=True)
     val = DataLoader(dataset(kind, ex["world"] * 2 * BATCH, 99), batch_size=BATCH)
     resume = str(out / spec["resume_from"]) if spec["resume_from"] else None
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
     trainer.fit(model, train, val if ex["validate"] else None, ckpt_path=resume)
     seen["phase"] = "after fit"
     result: dict[str, Any] = {
         "rank": trainer.global_rank, "global_step": trainer.global_step, "epoch": trainer.current_epoch,
         "weights": true_weights(trainer, model), "buffers": {n: b.detach().clone() for n, b in model.named_buffers()},
         "optim": optimizer_states(trainer), "owned": recorder.owned, "losses": list(model.losses),
-        "val_losses": list(model.val_losses), "eval": None,
+        "val_losses": list(model.val_losses), "eval": None, "initial": initial,
     }
     if lifecycle and ex["save_after"]:
         seen["phase"] = "save after fit"

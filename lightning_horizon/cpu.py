@@ -124,7 +124,7 @@ def resolve_compute(compute: str, device_type: str = "cpu") -> tuple[str, str]:
     return "fp32", f"ISA found: {found}; {have} -> fp32 compute; pass compute='bf16' to force"
 
 
-def _parse_cpulist(text: str) -> list[int]:
+def parse_cpulist(text: str) -> list[int]:
     cpus: list[int] = []
     for part in text.strip().split(","):
         if not part:
@@ -140,7 +140,7 @@ def numa_domains() -> dict[int, list[int]]:
     for path in sorted(glob.glob("/sys/devices/system/node/node[0-9]*/cpulist")):
         node = int(re.search(r"node(\d+)", path).group(1))  # type: ignore[union-attr]
         with open(path) as f:
-            cpus = _parse_cpulist(f.read())
+            cpus = parse_cpulist(f.read())
         if cpus:
             domains[node] = cpus
     return domains or {0: sorted(_START_AFFINITY or range(os.cpu_count() or 1))}

@@ -7,7 +7,17 @@ and restoring of their per-rank state (the strategy gathers it to rank 0 under o
 
 Lifecycle, as HorizonStrategy drives it:
 
+- ``connect(trainer, module, optimizers)``: in ``Strategy.setup`` once the optimizers and the precision plugin are
+  connected (a part made before them, in ``_setup_model``, finishes its setup here: what it refuses, what it holds).
 - ``after_setup()``: the end of ``Strategy.setup``, once every part exists and has its saved state.
+- ``before_training_step(module, batch, batch_idx, step_context)`` / ``after_training_step(output)``: around every
+  ``training_step`` (``step_context``: the precision plugin's ``train_step_context``, for work that must see the
+  step's dtypes); ``output`` is what Lightning and the callbacks will see.
+- ``pre_backward(sync)`` / ``post_backward()``: around every backward; ``sync`` is False on accumulation
+  micro-batches (inside ``block_backward_sync``: DDP's ``no_sync``).
+- ``gradients_ready()``: inside every optimizer step, after its closure (forward, backward) and before the
+  optimizer reads the gradients (with LBFGS after each of its closure calls).
+- ``optimizer_stepped()``: after every optimizer step, before anything reads the weights again.
 - ``after_optimizer_step()``: after the optimizer step of every batch that steps (accounting, local SGD's
   periodic average, re-plans); in manual optimization once per batch, after ``training_step`` and so after
   all of its optimizer steps.
@@ -26,7 +36,21 @@ from torch import nn
 
 @runtime_checkable
 class PartProtocol(Protocol):
+    def connect(self, trainer: Any, module: nn.Module, optimizers: list[Any]) -> None: ...
+
     def after_setup(self) -> None: ...
+
+    def before_training_step(self, module: nn.Module, batch: Any, batch_idx: int, step_context: Any) -> None: ...
+
+    def after_training_step(self, output: Any) -> None: ...
+
+    def pre_backward(self, sync: bool) -> None: ...
+
+    def post_backward(self) -> None: ...
+
+    def gradients_ready(self) -> None: ...
+
+    def optimizer_stepped(self) -> None: ...
 
     def after_optimizer_step(self) -> None: ...
 
@@ -42,7 +66,28 @@ class PartProtocol(Protocol):
 class Part:
     """Base class of a strategy part: every hook a no-op, no state. Override what the part needs."""
 
+    def connect(self, trainer: Any, module: nn.Module, optimizers: list[Any]) -> None:
+        pass
+
     def after_setup(self) -> None:
+        pass
+
+    def before_training_step(self, module: nn.Module, batch: Any, batch_idx: int, step_context: Any) -> None:
+        pass
+
+    def after_training_step(self, output: Any) -> None:
+        pass
+
+    def pre_backward(self, sync: bool) -> None:
+        pass
+
+    def post_backward(self) -> None:
+        pass
+
+    def gradients_ready(self) -> None:
+        pass
+
+    def optimizer_stepped(self) -> None:
         pass
 
     def after_optimizer_step(self) -> None:
@@ -96,10 +141,38 @@ class Parts:
 
     # ------------------------------------------------------------------ hooks
 
+    def connect(self, trainer: Any, module: nn.Module, optimizers: list[Any]) -> None:
+        for part in self:
+            part.connect(trainer, module, optimizers)
+
     def after_setup(self) -> None:
         for part in self:
             part.after_setup()
         self._saved = {}  # a state whose part this run does not create is not kept for a later fit
+
+    def before_training_step(self, module: nn.Module, batch: Any, batch_idx: int, step_context: Any) -> None:
+        for part in self:
+            part.before_training_step(module, batch, batch_idx, step_context)
+
+    def after_training_step(self, output: Any) -> None:
+        for part in self:
+            part.after_training_step(output)
+
+    def pre_backward(self, sync: bool) -> None:
+        for part in self:
+            part.pre_backward(sync)
+
+    def post_backward(self) -> None:
+        for part in self:
+            part.post_backward()
+
+    def gradients_ready(self) -> None:
+        for part in self:
+            part.gradients_ready()
+
+    def optimizer_stepped(self) -> None:
+        for part in self:
+            part.optimizer_stepped()
 
     def after_optimizer_step(self) -> None:
         for part in self:
@@ -126,6 +199,7 @@ class Parts:
                 part.load_state_dict(self._saved.pop(name))
 
 
-_HOOKS = ("after_setup", "after_optimizer_step", "before_save", "state_dict", "load_state_dict", "teardown")
+_HOOKS = ("connect", "after_setup", "before_training_step", "after_training_step", "pre_backward", "post_backward", "gradients_ready", "optimizer_stepped",
+          "after_optimizer_step", "before_save", "state_dict", "load_state_dict", "teardown")
 
 __all__ = ["Part", "PartProtocol", "Parts"]

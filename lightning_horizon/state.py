@@ -13,6 +13,8 @@ truth (fp32 training, bf16-mixed).
 
 from __future__ import annotations
 
+import functools
+
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -119,12 +121,12 @@ class TrainingState:
 
     @torch.no_grad()
     def read(self, param: Tensor) -> Tensor:
-        """The true value of ``param`` as a new fp32 tensor."""
+        """The true value of ``param`` as a new tensor, in fp32 or wider: a float64 weight (``precision="64-true"``)
+        stays float64, a bf16 one comes with its master or its compensation in fp32."""
         master = self._masters.get(param)
-        if master is not None:
-            return master.detach().to(torch.float32, copy=True)
-        comp = self._compensation.get(param)
-        value = param.detach().to(torch.float32, copy=True)
+        truth = master if master is not None else param
+        value = truth.detach().to(torch.promote_types(truth.dtype, torch.float32), copy=True)
+        comp = self._compensation.get(param) if master is None else None
         return value.add_(comp) if comp is not None else value
 
     @torch.no_grad()
@@ -143,12 +145,15 @@ class TrainingState:
 
     @torch.no_grad()
     def average(self, params: Iterable[Tensor], allreduce_mean: Callable[[Tensor], None]) -> None:
-        """Replace the true value of every parameter by its average: ``allreduce_mean`` averages one flat fp32
-        tensor in place across the ranks that take part (one call for all parameters)."""
+        """Replace the true value of every parameter by its average: ``allreduce_mean`` averages one flat tensor in
+        place across the ranks that take part (one call for all parameters), in fp32, or in float64 where a true
+        weight is float64 (rounding float64 weights to fp32 at every average would move them by ~1e-8)."""
         params = list(params)
         if not params:
             return
-        flat = torch.cat([self.read(p).reshape(-1) for p in params])
+        values = [self.read(p).reshape(-1) for p in params]
+        dtype = functools.reduce(torch.promote_types, (v.dtype for v in values))
+        flat = torch.cat([v.to(dtype) for v in values])
         allreduce_mean(flat)
         offset = 0
         for p in params:

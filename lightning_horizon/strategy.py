@@ -19,40 +19,35 @@ from typing import Any, Callable, Generator, Optional, Union
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.strategy import Strategy
-from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import _augment_message
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_horizon import cpu, liveness, memory
+from lightning_horizon import cpu, fit_parts, liveness, placement
 from lightning_horizon.checkpoint_io import AtomicCheckpointIO
 from lightning_horizon.parts import Parts
 from lightning_horizon.rng import RNGState
 from lightning_horizon.state import TrainingState
-from lightning_horizon.sharding import GraphSharder, ShardingConfig, resolve_sharding
-from lightning_horizon.collectives import CollectivesConfig, GradientSync
+from lightning_horizon.sharding import GraphSharder, ShardingConfig
+from lightning_horizon.collectives import GradientSync
 from lightning_horizon.node_state import NodeState
-from lightning_horizon.strategy_args import ccl_available, check_arguments, check_backend_device, check_state
-from lightning_horizon.strategy_checkpoint import CheckpointParts
-from lightning_horizon.store import OutOfCore, StoreConfig, resolve_store, store_folder
-from lightning_horizon.topology import ProcessGroups, Topology, check_ranks_per_node, placement_table
+from lightning_horizon.options import HorizonOptions
+from lightning_horizon.strategy_args import ccl_available, check_backend_device
+from lightning_horizon.strategy_checkpoint import StrategyCheckpoint
+from lightning_horizon.store import OutOfCore, StoreConfig
+from lightning_horizon.topology import ProcessGroups, Topology, check_ranks_per_node
+from lightning_horizon.unused import REDUCER_ERROR, UNUSED_PARAMETERS, warn_unused_parameters
 
 log = logging.getLogger(__name__)
 
 #: Collective timeout: long enough for a slow checkpoint write on rank 0 while the others wait in a barrier,
 #: short enough that a lost peer ends the job instead of hanging it for torch's default 30 minutes.
 DEFAULT_TIMEOUT_S = 600.0
-UNUSED_PARAMETERS = (
-    "It looks like your LightningModule has parameters that were not used in producing the loss returned by"
-    " training_step. If this is intentional, you must enable the detection of unused parameters in DDP, either by"
-    " setting the string value `strategy='horizon_find_unused_parameters_true'` or by setting the flag in the"
-    " strategy with `strategy=HorizonStrategy(find_unused_parameters=True)`."
-)
 
 
-class HorizonStrategy(CheckpointParts, DDPStrategy):
+class HorizonStrategy(DDPStrategy):
     """Multi-process data-parallel training on CPUs, topology-aware.
 
     Args:
@@ -126,58 +121,35 @@ class HorizonStrategy(CheckpointParts, DDPStrategy):
         **kwargs: Any,
     ) -> None:
         # Every check runs here, in the Trainer's constructor: before a launcher starts a process or a group.
-        self._sharding = resolve_sharding(sharding)
-        self.collectives_config = CollectivesConfig(
-            algorithm=collectives,
-            compression=compression,
-            sync_every=sync_every,
-            sync_warmup_steps=sync_warmup_steps,
-            torus_shape=torus_shape,
-            cost_model=cost_model,
-        )
-        check_state(state, node_weights, state_checkpoint, collectives, compression, sync_every,
-                    kwargs.get("ddp_comm_hook"))
-        self._store_config = resolve_store(state_store)
-        if self._store_config is not None and state != "replicated":
-            raise ValueError(f"state_store={state_store!r} with state={state!r}: the out-of-core store holds a whole"
-                             " replica per rank; use state='replicated' (the default) with it")
-        seconds = check_arguments(
+        #: the strategy's own options, checked and resolved (options.py); the parts are built from them
+        self.options = HorizonOptions.resolve(
             ranks_per_node=ranks_per_node, bucket_size_mb=bucket_size_mb, timeout=timeout,
             process_group_backend=process_group_backend, pin_cores=pin_cores, threads_per_rank=threads_per_rank,
-            checkpoint_io=checkpoint_io, collectives_changed=self.collectives_config.changed(),
-            kwargs=kwargs, named=set(inspect.signature(HorizonStrategy.__init__).parameters),
+            sharding=sharding, collectives=collectives, compression=compression, sync_every=sync_every,
+            sync_warmup_steps=sync_warmup_steps, torus_shape=torus_shape, cost_model=cost_model, state=state,
+            node_weights=node_weights, state_checkpoint=state_checkpoint, state_store=state_store,
+            checkpoint_io=checkpoint_io, ddp_kwargs=kwargs, named=set(inspect.signature(HorizonStrategy.__init__).parameters),
         )
         super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
+            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO(),
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=timedelta(seconds=seconds),
-            bucket_cap_mb=bucket_size_mb,
-            **kwargs,
+            precision_plugin=precision_plugin, process_group_backend=process_group_backend,
+            timeout=self.options.timeout, bucket_cap_mb=bucket_size_mb, **kwargs,
         )
-        self._ranks_per_node = ranks_per_node
-        self._pin_cores = pin_cores
-        self._threads_per_rank = threads_per_rank
         self.topology: Optional[Topology] = None
         self.process_groups: Optional[ProcessGroups] = None
         #: per-rank facts gathered at setup (rank, node, local rank, cores, threads, shared): the startup table
         self.placement: list[dict[str, Any]] = []
-        #: the parts (lightning_horizon.parts): RNG state, gradient sync, graph sharder; per-rank state kept under
-        #: one checkpoint key
+        #: the parts (lightning_horizon.parts), built by fit_parts.py; per-rank state kept under one checkpoint key
         self.parts = Parts()
         self.parts.add("rng", RNGState())
-        self._node_weights: Optional[dict[str, Any]] = None
+        #: the checkpoint side (strategy_checkpoint.py): what a save adds, what a load hands back
+        self.checkpoints = StrategyCheckpoint(self)
         self._last_node_state: Optional[NodeState] = None  # torn down; its shares are still in the optimizers
         self._reported = False
         self._training_state = TrainingState()
         self._thread_settings: Optional[cpu.ThreadSettings] = None
         self._warn_unused = False
-        self.state = state
-        self._state_checkpoint = state_checkpoint
-        self._node_weights_mode = node_weights
         self._sync_backward = True  # False inside block_backward_sync (accumulation micro-batches)
 
     # ------------------------------------------------------------------ processes, groups, cores
@@ -220,7 +192,7 @@ class HorizonStrategy(CheckpointParts, DDPStrategy):
     @property
     def nodes_diverge(self) -> bool:
         """Whether nodes hold different weights between optimizer steps (local SGD across several nodes)."""
-        return self.collectives_config.sync_every > 1 and self.topology is not None and self.topology.num_nodes > 1
+        return self.options.collectives.sync_every > 1 and self.topology is not None and self.topology.num_nodes > 1
 
     @property
     def training_state(self) -> TrainingState:
@@ -237,9 +209,9 @@ class HorizonStrategy(CheckpointParts, DDPStrategy):
     def _configure_launcher(self) -> None:
         # The world size is known from here on (the Trainer set devices and num_nodes): check the topology
         # before the launcher starts any process.
-        check_ranks_per_node(self._ranks_per_node, self._world_size_planned)
+        check_ranks_per_node(self.options.ranks_per_node, self._world_size_planned)
         check_backend_device(self._process_group_backend, self.root_device)
-        self.collectives_config.grid_shape(self._world_size_planned, self._ranks_per_node or self.num_processes)
+        self.options.collectives.grid_shape(self._world_size_planned, self.options.ranks_per_node or self.num_processes)
         # Lightning's launcher sets OMP_NUM_THREADS and torch's thread count, our pinning the affinity and the
         # OpenMP variables: teardown gives back what this process had before either, so that a notebook or a
         # script that goes on after fit finds its settings as they were.
@@ -270,7 +242,7 @@ class HorizonStrategy(CheckpointParts, DDPStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         self.topology = Topology(
-            world_size=self.world_size, rank=self.global_rank, ranks_per_node=self._ranks_per_node or self.num_processes
+            world_size=self.world_size, rank=self.global_rank, ranks_per_node=self.options.ranks_per_node or self.num_processes
         )
         self.process_groups = ProcessGroups(self.topology)
         self._place_and_report()
@@ -278,67 +250,30 @@ class HorizonStrategy(CheckpointParts, DDPStrategy):
     def _place_and_report(self) -> None:
         """Pin this rank's cores, gather every rank's placement, and print the startup table on rank 0."""
         assert self.topology is not None
-        pin = self._pin_cores and self.root_device.type == "cpu"
-        row = {"rank": self.global_rank, "node": self.topology.node_rank, "local_rank": self.topology.local_rank,
-               **cpu.place(self.local_rank, self.num_processes, pin, self._threads_per_rank),
-               "host": liveness.host(), "pid": os.getpid()}
-        self.placement = self._all_gather_objects(row)
-        if any(r["shared"] for r in self.placement) and self.global_rank == 0 and not self._reported:
-            log.warning(
-                f"HorizonStrategy: {self.num_processes} ranks per machine but only {len(cpu.available_cores())}"
-                " cores: ranks share cores round-robin (slower than one core each; fine for tests)"
-            )
-        if self.global_rank == 0 and not self._reported:
-            log.info(self.startup_table())  # once per strategy: validate/test/predict set up again
+        pin = self.options.pin_cores and self.root_device.type == "cpu"
+        self.placement = placement.place(self.topology, self.local_rank, self.num_processes, pin,
+                                         self.options.threads_per_rank)
+        if self.global_rank == 0 and not self._reported:  # once per strategy: validate/test/predict set up again
+            placement.report(self.topology, self.placement, self._process_group_backend, self.num_processes)
             self._reported = True
-
-    def _all_gather_objects(self, obj: Any) -> list[Any]:
-        if not (dist.is_available() and dist.is_initialized()):
-            return [obj]
-        out: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(out, obj)
-        return out
 
     def startup_table(self) -> str:
         """Topology, per-rank cores and threads, ISA, backend and allocator, as printed at fit start."""
         assert self.topology is not None
-        isa, alloc = cpu.isa(), cpu.allocator()
-        header = (
-            f"backend {self._process_group_backend}"
-            f" | ISA {isa.name} (torch {isa.torch_capability}, native bf16: {'yes' if isa.native_bf16 else 'no'})"
-            f" | allocator {alloc or 'glibc malloc'}"
-        )
-        table = placement_table(self.topology, self.placement, header)
-        return table if alloc is not None else f"{table}\nhint: {cpu.ALLOCATOR_HINT}"
+        return placement.startup_table(self.topology, self.placement, self._process_group_backend)
 
     # ------------------------------------------------------------------ DDP and comm hooks
 
     @override
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        trainer = getattr(self.lightning_module, "_trainer", None)
-        if self._store_config is not None and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
-            # Before DDP, the optimizers and the precision plugin: masters and optimizer state are born in the store
-            part = OutOfCore(self._store_config, self.training_state, self.global_rank, lambda: self.sharder,
-                             budgeted=self._sharding is not None)
-            part.install(model, store_folder(self._store_config, trainer))
-            self.parts.add("store", part)
+        if fit_parts.before_ddp(self, model, getattr(self.lightning_module, "_trainer", None)):
+            return model  # node-sharded: no DDP wrapper, the owners' gradient path instead
         if self.world_size == 1:
             # One process: nothing to synchronize, keep the plain module. DDP's reducer would refuse parameters
             # that get no gradient; here they are harmless, but the same code on several processes will fail:
             # warn after the first step (unless the user already allows them).
             self._warn_unused = not self._ddp_kwargs.get("find_unused_parameters", False)
             return model
-        if self.state == "node_sharded" and self.topology is not None and self.topology.ranks_per_node > 1:
-            # No DDP: the weights move into the node's shared memory and the gradients take the owners' path
-            # (node_state/). Before the optimizers and the precision plugin connect: masters only for what we own.
-            assert self.process_groups is not None
-            node = NodeState(model, self.process_groups, int(self._ddp_kwargs["bucket_cap_mb"] * 2**20),
-                             self.training_state, self.precision_plugin, self._node_weights_mode)
-            node.install()
-            self.parts.add("node_state", node)
-            return model
-        if self.state == "node_sharded" and self.global_rank == 0:
-            log.info("HorizonStrategy(state='node_sharded'): one rank per node holds everything; replicated")
         return super()._setup_model(model)
 
     def _comm_hook(self) -> tuple[Optional[object], Optional[Callable]]:
@@ -347,15 +282,13 @@ class HorizonStrategy(CheckpointParts, DDPStrategy):
             return self._ddp_comm_state, self._ddp_comm_hook
         if self.process_groups is None or self.world_size == 1:
             return None, None
-        # Built on every rank here, at the same point: it may create grid groups and probe the links (collective).
-        sync = GradientSync(self.collectives_config, self.process_groups, self.model.module, self.training_state)
-        self.parts.add("collectives", sync)
+        sync = fit_parts.gradient_sync(self, self.model.module)
         return sync, sync.hook
 
     @override
     def _register_ddp_hooks(self) -> None:
-        if self.node_state is not None:
-            return  # no DDP wrapper: the owners' gradient path instead
+        if not isinstance(self.model, DistributedDataParallel):
+            return  # node-sharded: the owners' gradient path instead
         # Lightning registers comm hooks on CUDA only and drops them silently on CPU; register on every device.
         state, hook = self._comm_hook()
         if hook is None:
@@ -372,90 +305,48 @@ class HorizonStrategy(CheckpointParts, DDPStrategy):
             # One process: the base Strategy's setup (precision, optimizers) without DDP's wrapping and without
             # DDPStrategy's broadcast of module states, which needs a process group.
             Strategy.setup(self, trainer)
-        if self._node_weights is not None:
-            self.lightning_module.load_state_dict(self._node_weights)
-            self._node_weights = None
-        if self.node_state is not None:
-            self.node_state.setup(trainer, self.lightning_module, self.optimizers)
-        if self.store is not None:
-            self.store.setup(self.optimizers, trainer, self.precision_plugin)
-        if self.store is None and trainer.state.fn == TrainerFn.FITTING:
-            # sharding shrinks activations, not what this checks; the store checked its disk
-            self._check_memory()
-        if self._sharding is not None and "sharding" not in self.parts:
-            # Plans at the first training_step (the first batch is what it profiles); all ranks of the node
-            # share its memory. Recompute runs in backward, outside training_step's precision context: the
-            # plugin re-establishes it.
-            self.parts.add("sharding", GraphSharder(
-                self._sharding, self.num_processes, rank=self.global_rank,
-                recompute_context=getattr(self.precision_plugin, "recompute_context", None),
-                state_in_memory=self.store is None,
-            ))
+        if self.checkpoints.node_weights is not None:  # local SGD: this node's weights, from the loaded checkpoint
+            self.lightning_module.load_state_dict(self.checkpoints.node_weights)
+            self.checkpoints.node_weights = None
+        self.parts.connect(trainer, self.lightning_module, self.optimizers)
+        fit_parts.at_setup(self, trainer)
         # Last, so that nothing in setup draws from a restored generator; Lightning's sanity check runs under
         # isolate_rng, so the next draw is the training data iterator's, as in the uninterrupted run.
         self.parts.after_setup()
 
-    def _check_memory(self) -> None:
-        """Fail at setup, on every rank, when gradients and optimizer state cannot fit, or a sharding budget in bytes
-        is more than the rank can have (see memory/check.py)."""
-        assert self.topology is not None and self.lightning_module is not None
-        node = self.node_state
-        need = memory.training_memory(
-            self.lightning_module, self.optimizers, self.precision_plugin,
-            owns=node.owns if node is not None else None,
-            weights_shared_by=self.topology.ranks_per_node if node is not None and node.weights_mode == "shared" else 1,
-        )
-        sharding = self._sharding
-        row = memory.rank_row(self.global_rank, self.topology.node_rank, self.num_processes, need,
-                              sharding=sharding is not None, budget=sharding.budget_bytes if sharding else None)
-        memory.check_fit(self._all_gather_objects(row))  # every rank decides alike: none is left waiting
-
-    # ------------------------------------------------------------------ node-sharded state: backward and step
+    # ------------------------------------------------------------------ backward and step: the parts take part
 
     @override
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
-        if self.node_state is None:
+        self._sync_backward = False  # accumulation micro-batches: gradients stay local until the window's last
+        try:
             with super().block_backward_sync():
                 yield
-            return
-        self._sync_backward = False  # as DDP.no_sync: gradients stay local and whole until the window's last
-        try:
-            yield
         finally:
             self._sync_backward = True
 
     @override
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
         super().pre_backward(closure_loss)
-        if self.node_state is not None:
-            self.node_state.pre_backward(self._sync_backward)
+        self.parts.pre_backward(self._sync_backward)
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         super().post_backward(closure_loss)
-        if self.node_state is not None:
-            self.node_state.post_backward()
+        self.parts.post_backward()
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        node = self.node_state
-        if node is None:
-            return self._optimizer_step(optimizer, closure, model, **kwargs)
-
-        # The closure (forward, backward) runs inside the step: carried gradients settle after it, before the
-        # optimizer; the owners' writes to the shared weights are done before any rank of the node reads them.
+        # The closure (forward, backward) runs inside the step: the parts settle the gradients after it, before the
+        # optimizer reads them, and finish the step's writes before anything reads the weights again.
         def settled() -> Any:
             out = closure()
-            node.before_step()
+            self.parts.gradients_ready()
             return out
 
-        output = self._optimizer_step(optimizer, settled, model, **kwargs)
-        node.after_step()
-        return output
-
-    def _optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        output = super().optimizer_step(optimizer, settled, model, **kwargs)
+        self.parts.optimizer_stepped()
         if self._warn_unused:
             self._warn_unused = False
             warn_unused_parameters(optimizer, self.lightning_module)
@@ -463,29 +354,44 @@ class HorizonStrategy(CheckpointParts, DDPStrategy):
             self.parts.after_optimizer_step()  # manual optimization: once per batch, in training_step
         return output
 
+    # ------------------------------------------------------------------ checkpoints (strategy_checkpoint.py)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        self.checkpoints.before_write(checkpoint, filepath)  # every rank: the parts' per-rank state to rank 0
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        super().remove_checkpoint(filepath)
+        self.checkpoints.after_remove(filepath)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        return self.checkpoints.after_read(checkpoint, checkpoint_path)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        super().load_optimizer_state_dict(self.checkpoints.optimizer_states(checkpoint))
+
     @override
     def on_exception(self, exception: BaseException) -> None:
         # DDPStrategy's explanation of the reducer's unused-parameter error, naming this strategy's switch
         Strategy.on_exception(self, exception)
-        _augment_message(exception, pattern=".*Expected to have finished reduction in the prior iteration.*",
-                         new_message=UNUSED_PARAMETERS)
+        _augment_message(exception, pattern=REDUCER_ERROR, new_message=UNUSED_PARAMETERS)
         # A dead or hung peer surfaces as a socket error or a timeout naming no rank: name it.
         if self.placement and self.world_size > 1 and liveness.looks_like_lost_peer(exception):
             log.error(liveness.describe(self.placement, self.global_rank, self._timeout.total_seconds()))
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        sharder = self.sharder
-        if sharder is not None:
-            # At the step boundary: the first call profiles this batch and installs the plan, later ones apply
-            # a pending re-plan. Under the precision's context, so that the profile sees the step's dtypes.
-            batch = args[0] if args else kwargs["batch"]
-            batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
-            with self.precision_plugin.train_step_context():
-                sharder.maybe_plan(self.lightning_module, batch, batch_idx)
+        batch = args[0] if args else kwargs.get("batch")
+        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        self.parts.before_training_step(self.lightning_module, batch, batch_idx,
+                                        self.precision_plugin.train_step_context)
         output = super().training_step(*args, **kwargs)
-        if sharder is not None:
-            sharder.check_output(output)
+        self.parts.after_training_step(output)
         if not self.lightning_module.automatic_optimization:
             # Manual optimization steps its optimizers inside training_step, possibly several (a GAN's two):
             # the parts see the batch's steps once, after the last, so local SGD averages what every optimizer
@@ -497,8 +403,8 @@ class HorizonStrategy(CheckpointParts, DDPStrategy):
     def teardown(self) -> None:
         self.parts.teardown()  # the sharder uninstalls: the module leaves fit exactly as it came in
         self._last_node_state = self.node_shares
-        self.parts.remove("node_state")  # the weights are the module's own again: validate/test run replicated
-        self.parts.remove("store")
+        for name in fit_parts.FIT_ONLY:  # the weights are the module's own again: validate/test run replicated
+            self.parts.remove(name)
         super().teardown()
         if self._thread_settings is not None:
             self._thread_settings.restore()
@@ -520,18 +426,6 @@ class HorizonStrategy(CheckpointParts, DDPStrategy):
                 f"{', find_unused_parameters=True' if unused else ''}", start_method=start_method,
                 **({"find_unused_parameters": True} if unused else {}),
             )
-
-
-def warn_unused_parameters(optimizer: Any, module: torch.nn.Module) -> None:
-    """Warn (one process, after the first step) about parameters this optimizer steps that got no gradient."""
-    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    unused = [n for n, p in module.named_parameters() if id(p) in stepped and p.requires_grad and p.grad is None]
-    if unused and len(unused) < len(stepped):  # none at all: a skipped step, not unused parameters
-        rank_zero_warn(
-            f"HorizonStrategy: {len(unused)} parameter(s) got no gradient in the first step ({', '.join(unused[:3])}"
-            f"{', ...' if len(unused) > 3 else ''}). Harmless with one process; with several, DDP refuses them: pass"
-            " `HorizonStrategy(find_unused_parameters=True)` there."
-        )
 
 
 def _destroy_process_group() -> None:

@@ -66,7 +66,7 @@ def drop_unset_ddp_args(strategy: Any) -> None:
 def horizon_class_path(strategy: Any) -> Any:
     """A registered name of HorizonStrategy (``--trainer.strategy=horizon``) as its class path with the name's
     settings, so that the layout can be set on it; any other strategy as it is."""
-    from lightning_horizon.tune_script import horizon_name_settings
+    from lightning_horizon.layout.script import horizon_name_settings
 
     settings = horizon_name_settings(strategy)
     return strategy if settings is None else Namespace(class_path=HORIZON_STRATEGY[0], init_args=Namespace(**settings))
@@ -85,7 +85,7 @@ def auto_layout(cfg: Any, module_class: type, script: str) -> Optional[str]:
     "Chose none" is ``trainer.devices: auto`` with HorizonStrategy and no ``threads_per_rank``. The config's
     ``data.batch_size`` is then the global batch, split over the ranks, so the layout changes the speed and not
     the training (the seeded sampler gives two ranks of 8 what one rank of 16 sees). The layout is
-    ``lightning_horizon.layout_cache.choose``'s for the module built from ``cfg.model`` on the meta device.
+    ``lightning_horizon.layout.choose``'s for the module built from ``cfg.model`` on the meta device.
     """
     strategy = cfg.trainer.strategy = horizon_class_path(cfg.trainer.strategy)
     init = getattr(strategy, "init_args", None)
@@ -93,7 +93,7 @@ def auto_layout(cfg: Any, module_class: type, script: str) -> Optional[str]:
             or init is None or init.get("threads_per_rank") is not None):
         return None
     from lightning_horizon.layout import model_sizes, workload
-    from lightning_horizon.layout_cache import choose
+    from lightning_horizon.layout import choose
     from lightning_horizon.memory.probe import node_free_memory
 
     batch = cfg.data.batch_size

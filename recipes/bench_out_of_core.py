@@ -27,7 +27,7 @@ process), is recipes/configs/125m.yaml's width with 4 more layers. The arms:
 Every arm runs with the allocator settings of ``--malloc``: by default ``tuned``, the GLIBC_TUNABLES that
 lightning_horizon's sharding recommends for RSS that follows the live tensors (``glibc``: the defaults, whose
 rising mmap threshold keeps freed blocks resident). Each (arm, batch) runs in a fresh process
-(lightning_horizon.tune.run_worker: its own session, killed on timeout) for ``--warmup`` + ``--steps`` optimizer
+(lightning_horizon.layout.tuner.run_worker: its own session, killed on timeout) for ``--warmup`` + ``--steps`` optimizer
 steps (the first creates the optimizer state; warm-up steps are not timed). ``--batches`` are sequences per
 step, from small to the recipe's (the largest; 8, as recipes/configs/125m.yaml). Every round runs every arm at
 every batch; at each batch the arms go in an order rotated from round to round, so a noisy neighbour hits them
@@ -115,7 +115,7 @@ def worker(spec: dict[str, Any], out: str) -> None:
     from lightning_horizon.precision import HorizonPrecision
     from lightning_horizon.sharding import ShardingConfig
     from lightning_horizon.store import StoreConfig
-    from lightning_horizon.tune import StepTimer
+    from lightning_horizon.layout import StepTimer
     from lm_data import ByteCorpusDataModule
     from pretrain_gpt import GPTPretrain
 
@@ -196,7 +196,8 @@ def kernel_log() -> list[str]:
 def run_arm(arm: str, batch: int, a: argparse.Namespace, budget: int, root: Path, tmp: Path) -> dict[str, Any]:
     """One arm at one batch in a fresh process: its figures, or ``{"ok": False, "note": ...}``."""
     from lightning_horizon.layout import Layout
-    from lightning_horizon.tune import OUT_ENV, WARMUP_ENV, clean_env, measure, run_worker
+    from lightning_horizon.layout.timer import OUT_ENV, WARMUP_ENV
+    from lightning_horizon.layout.tuner import clean_env, measure, run_worker
 
     prefetch = arm.removeprefix("store-") if arm != "ram" else None
     threads = len(os.sched_getaffinity(0))

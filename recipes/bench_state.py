@@ -94,7 +94,7 @@ def worker(spec: dict[str, Any], out: str) -> None:
     from lightning_horizon import HorizonStrategy
     from lightning_horizon.memory import current_pss, held_bytes
     from lightning_horizon.precision import HorizonPrecision
-    from lightning_horizon.tune import StepTimer
+    from lightning_horizon.layout import StepTimer
     from lm_data import ByteCorpusDataModule
     from pretrain_gpt import GPTPretrain
 
@@ -143,7 +143,8 @@ def run_arm(state: str, ranks: int, a: argparse.Namespace, n_embd: int, warmup: 
             tmp: Path) -> dict[str, Any]:
     """One arm in a fresh process group: its figures, or ``{"ok": False, "note": ...}``."""
     from lightning_horizon.layout import Layout
-    from lightning_horizon.tune import OUT_ENV, WARMUP_ENV, clean_env, measure, run_worker
+    from lightning_horizon.layout.timer import OUT_ENV, WARMUP_ENV
+    from lightning_horizon.layout.tuner import clean_env, measure, run_worker
 
     threads = max(1, len(os.sched_getaffinity(0)) // ranks)
     spec = {"state": state, "ranks": ranks, "threads": threads, "precision": a.precision, "steps": warmup + steps,

@@ -54,7 +54,7 @@ from typing import Any
 
 from lightning_horizon.cpu import JEMALLOC_CONF, isa
 from lightning_horizon.layout import Layout, Machine, candidates
-from lightning_horizon.tune import run_worker
+from lightning_horizon.layout.tuner import run_worker
 from lightning_horizon.cpu import machine_busy_seconds
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -124,7 +124,7 @@ def tuned_layout(cfg: dict[str, Any]) -> tuple[Layout, str]:
     import torch
 
     from lightning_horizon.layout import model_sizes, workload
-    from lightning_horizon.layout_cache import CHOSEN_ENV, choose
+    from lightning_horizon.layout.cache import CHOSEN_ENV, choose
     from lightning_horizon.memory.probe import node_free_memory
     from pretrain_gpt import GPTPretrain
 

@@ -46,4 +46,4 @@ def test_onednn_isa_cap_below_bf16_means_no_native_bf16(monkeypatch):
 
 
 def test_cpulist_parsing():
-    assert cpu._parse_cpulist("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
+    assert cpu.parse_cpulist("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 
 def test_optimizer_step_hook_dicts():
-    """Kahan's chunks and the store's layers (optim_parts.step_in_parts) run the step pre-/post-hooks once per
+    """Kahan's chunks and the store's layers (optim.step_in_parts) run the step pre-/post-hooks once per
     training step by swapping these dicts."""
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     calls = []

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_horizon import GradNormBackoff, HorizonStrategy
-from lightning_horizon.optim_parts import step_in_parts
+from lightning_horizon.optim import step_in_parts
 from lightning_horizon.state import TrainingState
 from lightning_horizon.store import StateStore, StoreConfig, StoreSpaceError, resolve_store
 from lightning_horizon.store.step import StreamedStep

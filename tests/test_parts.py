@@ -59,8 +59,9 @@ def test_a_part_implements_the_contract():
         def state_dict(self):
             return {}
 
-    with pytest.raises(TypeError, match=r"part 'x'=Incomplete: .*missing after_setup, after_optimizer_step, before_save,"
-                                        r" load_state_dict, teardown .*lightning_horizon.parts.Part"):
+    missing = ("connect, after_setup, before_training_step, after_training_step, pre_backward, post_backward,"
+               " gradients_ready, optimizer_stepped, after_optimizer_step, before_save, load_state_dict, teardown")
+    with pytest.raises(TypeError, match=rf"part 'x'=Incomplete: .*missing {missing} .*lightning_horizon.parts.Part"):
         Parts().add("x", Incomplete())
 
 

@@ -30,7 +30,7 @@ import pretrain_gpt  # noqa: E402
 import risk_classifier  # noqa: E402
 
 from lightning_horizon import CommMonitor, HorizonStrategy, MemoryMonitor, ThroughputMFUMonitor  # noqa: E402
-from lightning_horizon import layout_cache  # noqa: E402
+from lightning_horizon.layout import cache as layout_cache  # noqa: E402
 from lightning_horizon.callbacks.comm import find_comm_metrics  # noqa: E402
 from lightning_horizon.parts import Part  # noqa: E402
 

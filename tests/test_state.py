@@ -30,6 +30,19 @@ def test_average_goes_through_the_true_weights():
     assert torch.equal(state.read(kahan), torch.tensor([(1.0 + 2.0**-10) / 2]))
 
 
+def test_float64_weights_are_read_and_averaged_in_float64():
+    # precision="64-true": a float64 weight's average is the float64 mean (fp32 moved it by ~1e-8 at every average)
+    state = TrainingState()
+    wide = torch.nn.Parameter(torch.tensor([1.0 + 2.0**-40, 3.0], dtype=torch.float64))
+    narrow = torch.nn.Parameter(torch.tensor([1.0], dtype=torch.float32))
+    assert state.read(wide).dtype == torch.float64 and torch.equal(state.read(wide), wide.detach())
+    seen = []
+    state.average([narrow, wide], lambda flat: (seen.append(flat.dtype), flat.mul_(0.5)))
+    assert seen == [torch.float64]
+    assert torch.equal(wide.detach(), torch.tensor([(1.0 + 2.0**-40) / 2, 1.5], dtype=torch.float64))
+    assert narrow.dtype == torch.float32 and torch.equal(narrow.detach(), torch.tensor([0.5]))
+
+
 #: the largest error of an average, relative to its size, as the true weight can hold it: the fp32 master holds
 #: the fp32 mean (one rounding, 2^-24); bf16 + Kahan compensation hold it to 2^-9 of bf16's 2^-9 rounding
 AVERAGE_RTOL = {"fp32": 2.0**-23, "kahan": 2.0**-16}

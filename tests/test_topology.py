@@ -78,7 +78,7 @@ def test_cpulist_writes_the_kernels_format():
     assert cpulist([7, 3, 4, 0]) == "0,3-4,7"  # sorted first
     assert cpulist([3]) == "3" and cpulist([]) == ""
     text = "0-3,8,10-11"
-    assert cpulist(cpu._parse_cpulist(text + "\n")) == text  # the inverse of the parser of /sys cpulists
+    assert cpulist(cpu.parse_cpulist(text + "\n")) == text  # the inverse of the parser of /sys cpulists
 
 
 def test_placement_table_has_a_line_per_rank_and_marks_shared_cores():

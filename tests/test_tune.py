@@ -15,9 +15,10 @@ import time
 
 import pytest
 
-from lightning_horizon import layout_cache
+from lightning_horizon.layout import cache as layout_cache
 from lightning_horizon.layout import Layout, Machine, candidates, model_sizes, rule_layout, workload
-from lightning_horizon.tune import Result, main, predict_memory, select, table, tune
+from lightning_horizon.layout.tuner import Result, predict_memory, select, table, tune
+from lightning_horizon.tune import main
 from tests.launch import REPO, run_script
 
 GiB = 2**30

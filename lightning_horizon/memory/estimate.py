@@ -18,6 +18,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_horizon.memory.optimizer_state import OptimizerStateUnknown, StateKinds, state_kinds
+from lightning_horizon.optim import torch_optimizer
 
 if TYPE_CHECKING:
     from lightning_horizon.state import TrainingState
@@ -39,7 +40,7 @@ def _kinds(opt: Optimizer, training_state: Optional[TrainingState]) -> StateKind
 def state_tensors(optimizer: Any, training_state: Optional[TrainingState] = None) -> int:
     """Per-element state tensors ``optimizer`` keeps per parameter after a step (the most any of its parameters
     keeps), as a step of a copy of it shows: 2 for Adam, 3 with amsgrad, 0 for SGD without momentum."""
-    opt = getattr(optimizer, "optimizer", optimizer)  # LightningOptimizer wraps the torch one
+    opt = torch_optimizer(optimizer)
     return max(map(len, _kinds(opt, training_state).values()), default=0)
 
 
@@ -51,7 +52,7 @@ def optimizer_state_pending(optimizers: Any, owns: Optional[Callable[[Tensor], b
     parameter in two optimizers has the state of both."""
     total = 0
     for optimizer in optimizers or ():
-        opt = getattr(optimizer, "optimizer", optimizer)
+        opt = torch_optimizer(optimizer)
         kinds = _kinds(opt, training_state)
         for p in dict.fromkeys(p for g in opt.param_groups for p in g["params"]):
             if owns is not None and not owns(p):
@@ -66,7 +67,7 @@ def gradients_pending(optimizers: Any, owns: Optional[Callable[[Tensor], bool]] 
     parameters whose gradients this rank keeps, ``owns``; all by default)."""
     total, seen = 0, set()
     for opt in optimizers:
-        for group in getattr(opt, "optimizer", opt).param_groups:  # LightningOptimizer wraps the torch one
+        for group in torch_optimizer(opt).param_groups:
             for p in group["params"]:
                 if owns is not None and not owns(p):
                     continue

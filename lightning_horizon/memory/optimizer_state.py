@@ -24,6 +24,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_horizon.precision.policy import per_element
+from lightning_horizon.optim import torch_optimizer
 
 if TYPE_CHECKING:
     from lightning_horizon.state import TrainingState
@@ -59,7 +60,7 @@ def state_kinds(optimizer: Any, training_state: Optional[TrainingState] = None) 
     """Per parameter of ``optimizer`` (by id): the (state key, dtype) of each per-element state tensor it will hold
     for it after a step, with the masters and Kahan compensation of ``training_state`` (none by default). Raises
     :class:`OptimizerStateUnknown`, naming the optimizer, where a step of its copy fails."""
-    opt: Optimizer = getattr(optimizer, "optimizer", optimizer)  # LightningOptimizer wraps the torch one
+    opt: Optimizer = torch_optimizer(optimizer)
     params = list(dict.fromkeys(p for g in opt.param_groups for p in g["params"]))
     stepped = {id(p): _stepped_dtype(p, training_state) for p in params}
     tiny = {id(p): _tiny(p, stepped[id(p)]).requires_grad_(p.requires_grad) for p in params}

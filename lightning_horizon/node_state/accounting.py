@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from lightning_horizon.memory.estimate import bytes_per_param, state_tensors
 from lightning_horizon.memory.probe import fmt_bytes
+from lightning_horizon.optim import torch_optimizer
 
 
 def state_bytes(
@@ -27,7 +28,7 @@ def state_bytes(
     tensors = {}
     for opt in optimizers:
         k = state_tensors(opt)
-        for g in getattr(opt, "optimizer", opt).param_groups:
+        for g in torch_optimizer(opt).param_groups:
             for p in g["params"]:
                 tensors[p] = k
     per_rank = [0] * ranks_per_node

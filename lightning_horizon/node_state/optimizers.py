@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from lightning_horizon.optim import torch_optimizer
+
 #: torch's per-parameter optimizers (each parameter's update depends on its own gradient and state only)
 PER_PARAMETER = tuple(
     getattr(torch.optim, name)
@@ -20,7 +22,7 @@ PER_PARAMETER = tuple(
 def check_optimizers(optimizers: list[Any]) -> None:
     """Raise ``ValueError`` naming the first optimizer whose update is not per parameter (or is not known to be)."""
     for opt in optimizers:
-        opt = getattr(opt, "optimizer", opt)  # LightningOptimizer
+        opt = torch_optimizer(opt)
         if not isinstance(opt, PER_PARAMETER):
             raise ValueError(
                 f"HorizonStrategy(state='node_sharded') cannot step {type(opt).__name__}: each rank steps only the"

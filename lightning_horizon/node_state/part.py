@@ -28,6 +28,7 @@ from lightning_horizon.parts import Part
 from lightning_horizon.precision import HorizonPrecision
 from lightning_horizon.state import TrainingState
 from lightning_horizon.topology import ProcessGroups
+from lightning_horizon.optim import torch_optimizer
 
 log = logging.getLogger(__name__)
 
@@ -65,13 +66,13 @@ class NodeState(Part):
         self.reducer = OwnerReduce(self.buckets, self.topology, self.groups.inter)
         self.training_state.shard(self.owns, self.groups.intra)
 
-    def setup(self, trainer: Any, module: nn.Module, optimizers: list[Any]) -> None:
+    def connect(self, trainer: Any, module: nn.Module, optimizers: list[Any]) -> None:
         """Once the optimizers exist (every rank): optimizers it can step, holding state for this rank's parameters
         only, a norm clipping that sees the whole gradient, rank 0's buffers (DDP's constructor broadcasts them),
         the memory table."""
         check_optimizers(optimizers)
         for opt in optimizers:
-            opt = getattr(opt, "optimizer", opt)
+            opt = torch_optimizer(opt)
             for p in [p for p in opt.state if not self.owns(p)]:
                 del opt.state[p]  # made eagerly (Adagrad's constructor); this rank never steps it
         self._clip = ShardedClipping(trainer.precision_plugin, self.training_state)
@@ -108,7 +109,7 @@ class NodeState(Part):
         assert self.reducer is not None
         self.reducer.post_backward()
 
-    def before_step(self) -> None:
+    def gradients_ready(self) -> None:
         assert self.reducer is not None
         self.reducer.settle()
         if self._rounding is not None and self._precision is not None:
@@ -116,7 +117,7 @@ class NodeState(Part):
             self._precision.load_rounding_state(self._rounding)
         self._rounding = None
 
-    def after_step(self) -> None:
+    def optimizer_stepped(self) -> None:
         """The owners' updates reach every rank of the node before any of them reads the weights again."""
         self.weights.after_step()
 

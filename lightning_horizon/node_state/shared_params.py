@@ -8,7 +8,7 @@ as every rank has mapped it, so nothing is left behind by a crash; the mapping i
 Local rank 0 creates the file and copies its parameters in; across nodes, global rank 0's values are broadcast
 between the local ranks 0 (what DDP does at construction), so every node starts from the same weights. Writes happen
 only in the optimizer step, by the owner of each parameter (node_state/ownership.py), and every rank waits at a node
-barrier after each step (``NodeState.after_step``) before anything reads them again.
+barrier after each step (``NodeState.optimizer_stepped``) before anything reads them again.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_horizon.optim_parts import step_in_parts
+from lightning_horizon.optim import step_in_parts
 from lightning_horizon.precision.bf16_true import Bf16TruePolicy
 from lightning_horizon.precision.policy import cast_state, per_element
 from lightning_horizon.state import TrainingState

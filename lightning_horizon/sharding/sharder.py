@@ -112,6 +112,15 @@ class GraphSharder(Part):
         self._installed.reset()
         self._stepped = True
 
+    def before_training_step(self, module: nn.Module, batch: Any, batch_idx: int, step_context: Any) -> None:
+        # At the step boundary: the first call profiles this batch and installs the plan, later ones apply a pending
+        # re-plan. Under the precision's context, so that the profile sees the step's dtypes.
+        with step_context():
+            self.maybe_plan(module, batch, batch_idx)
+
+    def after_training_step(self, output: Any) -> None:
+        self.check_output(output)
+
     def after_step(self, peak: Optional[int] = None) -> None:
         """Measure the step's peak RSS (or take ``peak``) and decide whether the next step re-plans."""
         if self.plan is None or not self._stepped:

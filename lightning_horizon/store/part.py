@@ -25,6 +25,7 @@ from lightning_horizon.store.reserve import describe, merge, state_kinds
 from lightning_horizon.store.step import StreamedStep, backward_step_conflicts, check_optimizers
 from lightning_horizon.store.store import StateStore, io_counters
 from lightning_horizon.store.units import plan_units
+from lightning_horizon.optim import torch_optimizer
 
 log = logging.getLogger(__name__)
 
@@ -76,9 +77,10 @@ class OutOfCore(Part):
             raise
         self.training_state.store = self.store
 
-    def setup(self, optimizers: list[Any], trainer: Any, precision: Any) -> None:
-        """Once the optimizers exist: when the step runs (``trainer`` and ``precision`` say what is in the way of
-        stepping in backward), reserve, probe, the layer-by-layer step, the plan table."""
+    def connect(self, trainer: Any, module: nn.Module, optimizers: list[Any]) -> None:
+        """Once the optimizers exist: when the step runs (the trainer and its precision plugin say what is in the way
+        of stepping in backward), reserve, probe, the layer-by-layer step, the plan table."""
+        precision = trainer.precision_plugin
         store = self.store
         assert store is not None and self.folder is not None
         check_optimizers(optimizers)
@@ -102,7 +104,7 @@ class OutOfCore(Part):
                          f" 2 x {fmt_bytes(self.config.probe_bytes)}: what {self.folder} has room for")
             self.disk = disk_bandwidth(self.folder, size)
         for opt in optimizers:
-            opt = getattr(opt, "optimizer", opt)
+            opt = torch_optimizer(opt)
             self._steps.append(StreamedStep(opt, store, self.training_state, self.in_backward))
             # a loaded optimizer state (resume) goes into the store at once, not at the first step
             self._load_hooks.append(opt.register_load_state_dict_post_hook(

@@ -12,6 +12,7 @@ from typing import Any
 from lightning_horizon.memory.optimizer_state import OptimizerStateUnknown, StateKinds
 from lightning_horizon.memory.optimizer_state import state_kinds as learn_state_kinds
 from lightning_horizon.state import TrainingState
+from lightning_horizon.optim import torch_optimizer
 
 
 def state_kinds(optimizer: Any, training_state: TrainingState) -> StateKinds:
@@ -39,7 +40,7 @@ def describe(optimizers: list[Any], kinds: StateKinds) -> str:
     """``"AdamW: exp_avg, exp_avg_sq"`` per optimizer: the per-element state its parameters will have."""
     parts = []
     for optimizer in optimizers:
-        opt = getattr(optimizer, "optimizer", optimizer)
+        opt = torch_optimizer(optimizer)
         keys = sorted({k for g in opt.param_groups for p in g["params"] for k, _ in kinds.get(id(p), ())})
         parts.append(f"{type(opt).__name__}: {', '.join(keys) or 'none'}")
     return "; ".join(parts)

@@ -2,7 +2,7 @@
 
 Installed as an instance attribute of the torch optimizer (what Lightning, the precision plugins and a scheduler's
 step counter call), it runs the closure once, as torch does, and steps the parameters unit by unit
-(:func:`lightning_horizon.optim_parts.step_in_parts`); after each unit its state moves into the store and the unit
+(:func:`lightning_horizon.optim.step_in_parts`); after each unit its state moves into the store and the unit
 is written back and leaves memory. Each unit's state is read and written once per step. Per-parameter optimizers
 compute exactly what one whole step computes. Parameters the store does not hold (Kahan's fp32 proxies, which its
 own chunked step settles) step together, in one call. When the units step:
@@ -27,10 +27,11 @@ from torch import Tensor
 from torch.optim import LBFGS, Optimizer
 from torch.optim.optimizer import _global_optimizer_pre_hooks
 
-from lightning_horizon.optim_parts import Part, step_in_parts
+from lightning_horizon.optim import ParamSlice, step_in_parts
 from lightning_horizon.state import TrainingState
 from lightning_horizon.store.store import StateStore
 from lightning_horizon.store.units import Unit
+from lightning_horizon.optim import torch_optimizer
 
 _MISSING = object()
 
@@ -49,7 +50,7 @@ class StreamedStep:
             self._wrapped_by_lr_sched = True
         optimizer.step = self  # type: ignore[method-assign]
 
-    def parts(self) -> list[Part]:
+    def parts(self) -> list[ParamSlice]:
         """(group, parameter) pairs with a gradient not stepped yet, by unit in the store's order; unknown ones last,
         together."""
         by_unit: dict[int, list[tuple[int, Tensor]]] = {}
@@ -83,7 +84,7 @@ class StreamedStep:
             return loss if closure is not None else out
         units = [self._unit(part[0][1]) for part in parts]
 
-        def step(k: int, part: Part) -> Any:
+        def step(k: int, part: ParamSlice) -> Any:
             if k + 1 < len(parts) and units[k + 1] is not None:
                 self.store.prefetch(units[k + 1])
             return self._step_part(part, kwargs)
@@ -94,7 +95,7 @@ class StreamedStep:
         out = step_in_parts(self.optimizer, numbered, lambda kp: step(*kp), first=not self._early)
         return loss if closure is not None else out
 
-    def _step_part(self, part: Part, kwargs: dict[str, Any]) -> Any:
+    def _step_part(self, part: ParamSlice, kwargs: dict[str, Any]) -> Any:
         groups = self.optimizer.param_groups
         for i, x in part:
             groups[i]["params"].append(x)
@@ -127,7 +128,7 @@ def check_optimizers(optimizers: list[Any]) -> None:
     inside its step and moves all parameters along one direction of the whole model, where the streamed step runs the
     closure once and then steps one unit at a time, each unit's state in memory only for its own step."""
     for opt in optimizers:
-        opt = getattr(opt, "optimizer", opt)  # LightningOptimizer
+        opt = torch_optimizer(opt)
         if isinstance(opt, LBFGS) or _needs_closure(type(opt).step):
             name = type(opt).__name__
             raise ValueError(
@@ -167,7 +168,7 @@ def backward_step_conflicts(trainer: Any, optimizers: list[Any], precision: Any)
     if getattr(precision, "backend", "native") != "native":
         out.append(f"{type(precision).__name__}(backend={precision.backend!r})")
     for opt in optimizers:  # a pre-hook would run in backward, before the other units' gradients exist
-        opt = getattr(opt, "optimizer", opt)
+        opt = torch_optimizer(opt)
         if opt._optimizer_step_pre_hooks or _global_optimizer_pre_hooks:
             out.append(f"a step pre-hook on {type(opt).__name__} (register_step_pre_hook)")
     hooks = ("on_after_backward", "on_before_optimizer_step")

@@ -87,13 +87,13 @@ def save_run(name, root, resume_from=None):
                         enable_model_summary=False)
     result = {}
     if isinstance(trainer.strategy, HorizonStrategy):
-        gather = trainer.strategy._gather_objects
+        gather = trainer.strategy.checkpoints.gather_objects
 
         def recorded(obj):
             result["sent"] = digest(obj)
             return gather(obj)
 
-        trainer.strategy._gather_objects = recorded
+        trainer.strategy.checkpoints.gather_objects = recorded
     ckpt_path = os.path.join(root, resume_from, "epoch=0-step=2.ckpt") if resume_from else None
     trainer.fit(TinyLM(), DataLoader(data(64), batch_size=8), ckpt_path=ckpt_path)
     result["calls"] = counter.calls

@@ -22,7 +22,7 @@ import torch
 
 from lightning_horizon import cpu
 from lightning_horizon.checkpoint_io import atomic_file
-from lightning_horizon.layout import Layout, Machine, rule_layout
+from lightning_horizon.layout.rule import Layout, Machine, rule_layout
 
 CACHE_ENV = "HORIZON_LAYOUT_CACHE"
 #: ``KEY|RANKSxTHREADS|REASON``: the layout :func:`choose` took, for the ranks Lightning's launcher starts (they

@@ -1,4 +1,8 @@
-"""Stepping an optimizer one part of its parameters at a time, as if it were one step.
+"""The torch optimizer behind Lightning's wrapper, and stepping it one slice of its parameters at a time, as if it
+were one step.
+
+``torch_optimizer``: Lightning hands hooks and strategies a ``LightningOptimizer``; what holds the param groups and
+the state is the torch optimizer it wraps (``.optimizer``).
 
 Kahan's bounded-memory step (chunks of at most ``step_chunk_numel`` elements) and the out-of-core store's
 layer-by-layer step both restrict the param groups to a part, call ``step`` and move on. Per-parameter optimizers
@@ -14,7 +18,12 @@ from typing import Any, Callable, Sequence
 from torch import Tensor
 from torch.optim import Optimizer
 
-Part = Sequence[tuple[int, Tensor]]  # (param group index, parameter)
+ParamSlice = Sequence[tuple[int, Tensor]]  # (param group index, parameter)
+
+
+def torch_optimizer(optimizer: Any) -> Optimizer:
+    """The torch optimizer itself: ``optimizer`` if it is one, the one a ``LightningOptimizer`` wraps otherwise."""
+    return getattr(optimizer, "optimizer", optimizer)
 
 
 def step_in_parts(optimizer: Optimizer, parts: Sequence[Any], step: Callable[[Any], Any], first: bool = True,
@@ -41,4 +50,4 @@ def step_in_parts(optimizer: Optimizer, parts: Sequence[Any], step: Callable[[An
     return out
 
 
-__all__ = ["step_in_parts"]
+__all__ = ["ParamSlice", "step_in_parts", "torch_optimizer"]

@@ -4,7 +4,7 @@ A layout is ``ranks x threads``: ranks per node (Lightning's ``devices``), each 
 (``HorizonStrategy(threads_per_rank=...)``). On a 16-core Xeon with AMX the small GPT trained 1.21-1.58x faster
 as 4 x 4 than as 1 x 16 (docs/layout.md): one process's intra-op threads share every small op's fork-join
 overhead and stream their weights from L3, while ranks run independently between gradient syncs. The measured
-choice is ``python -m lightning_horizon.tune`` (tune.py, cached by layout_cache.py); where nothing was measured,
+choice is ``python -m lightning_horizon.tune`` (tuner.py, cached by cache.py); where nothing was measured,
 :func:`rule_layout` derives one from the machine and the model:
 
 - threads per rank: the fewest whose share of the widest weight matrix fits in half a core's L2 cache (the
@@ -130,7 +130,7 @@ def l2_per_core(cpu_id: int = 0) -> int:
             if level != "2" or open(f"{index}/type").read().strip() == "Instruction":
                 continue
             size = _parse_size(open(f"{index}/size").read())
-            sharing = len(cpu._parse_cpulist(open(f"{index}/shared_cpu_list").read())) or 1
+            sharing = len(cpu.parse_cpulist(open(f"{index}/shared_cpu_list").read())) or 1
         except (OSError, ValueError):
             continue
         return max(1, size // sharing)

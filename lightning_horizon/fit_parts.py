@@ -1,0 +1,98 @@
+"""The plan of parts: which parts a fit is made of, and when each is born. HorizonStrategy calls these functions at
+the points of Lightning's lifecycle named below and loops over its parts everywhere else; nothing else in the
+strategy names a part.
+
+0. the constructor: ``rng`` (per-rank RNG state, exact resume).
+1. ``_setup_model``, before DDP, the optimizers and the precision plugin connect (:func:`before_ddp`):
+   ``store`` (``state_store=``, fitting only: masters and optimizer state are born in the store), then
+   ``node_state`` (``state="node_sharded"`` with several ranks per node: the weights move into the node's shared
+   memory and the gradients take the owners' path, so the model is not wrapped in DDP).
+2. ``_register_ddp_hooks`` (:func:`gradient_sync`): ``collectives``, the comm hook's state, unless one rank runs or
+   the user registered a hook of their own.
+3. the end of ``setup`` (:func:`at_setup`): the memory check, then ``sharding`` (planned at the first
+   ``training_step``).
+
+The fit-only parts (:data:`FIT_ONLY`) leave the registry at teardown: validate, test and predict run replicated.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
+
+from lightning_horizon import memory, placement
+from lightning_horizon.collectives import GradientSync
+from lightning_horizon.node_state import NodeState
+from lightning_horizon.sharding import GraphSharder
+from lightning_horizon.store import OutOfCore, store_folder
+
+log = logging.getLogger("lightning_horizon.strategy")
+
+#: parts that exist for one fit only
+FIT_ONLY = ("node_state", "store")
+
+
+def before_ddp(strategy: Any, model: nn.Module, trainer: Any) -> bool:
+    """Add the parts born before DDP (1. above); True when the node-sharded state replaces DDP's wrapper."""
+    options = strategy.options
+    if options.store is not None and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+        part = OutOfCore(options.store, strategy.training_state, strategy.global_rank, lambda: strategy.sharder,
+                         budgeted=options.sharding is not None)
+        part.install(model, store_folder(options.store, trainer))
+        strategy.parts.add("store", part)
+    if strategy.world_size == 1 or options.state != "node_sharded":
+        return False
+    if strategy.topology.ranks_per_node == 1:
+        if strategy.global_rank == 0:
+            log.info("HorizonStrategy(state='node_sharded'): one rank per node holds everything; replicated")
+        return False
+    # Before the optimizers and the precision plugin connect: masters only for what this rank owns.
+    node = NodeState(model, strategy.process_groups, options.bucket_bytes, strategy.training_state,
+                     strategy.precision_plugin, options.node_weights)
+    node.install()
+    strategy.parts.add("node_state", node)
+    return True
+
+
+def gradient_sync(strategy: Any, module: nn.Module) -> GradientSync:
+    """The comm hook's state (2. above). Built on every rank at the same point: it may create grid groups and probe
+    the links (collective)."""
+    sync = GradientSync(strategy.options.collectives, strategy.process_groups, module, strategy.training_state)
+    strategy.parts.add("collectives", sync)
+    return sync
+
+
+def at_setup(strategy: Any, trainer: Any) -> None:
+    """The end of setup (3. above): the memory check when fitting, then the graph sharder."""
+    options = strategy.options
+    if strategy.store is None and trainer.state.fn == TrainerFn.FITTING:
+        # sharding shrinks activations, not what this checks; the store checked its disk
+        check_memory(strategy)
+    if options.sharding is not None and "sharding" not in strategy.parts:
+        # Plans at the first training_step (the first batch is what it profiles); all ranks of the node share its
+        # memory. Recompute runs in backward, outside training_step's precision context: the plugin re-establishes it.
+        strategy.parts.add("sharding", GraphSharder(
+            options.sharding, strategy.num_processes, rank=strategy.global_rank,
+            recompute_context=getattr(strategy.precision_plugin, "recompute_context", None),
+            state_in_memory=strategy.store is None,
+        ))
+
+
+def check_memory(strategy: Any) -> None:
+    """Fail at setup, on every rank, when gradients and optimizer state cannot fit, or a sharding budget in bytes is
+    more than the rank can have (see memory/check.py)."""
+    topology, node, sharding = strategy.topology, strategy.node_state, strategy.options.sharding
+    need = memory.training_memory(
+        strategy.lightning_module, strategy.optimizers, strategy.precision_plugin,
+        owns=node.owns if node is not None else None,
+        weights_shared_by=topology.ranks_per_node if node is not None and node.weights_mode == "shared" else 1,
+    )
+    row = memory.rank_row(strategy.global_rank, topology.node_rank, strategy.num_processes, need,
+                          sharding=sharding is not None, budget=sharding.budget_bytes if sharding else None)
+    memory.check_fit(placement.all_gather_objects(row))  # every rank decides alike: none is left waiting
+
+
+__all__ = ["FIT_ONLY", "at_setup", "before_ddp", "check_memory", "gradient_sync"]

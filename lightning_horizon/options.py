@@ -1,0 +1,68 @@
+"""HorizonStrategy's own options, checked and resolved in the Trainer's constructor (strategy_args.py has the
+checks): before a launcher starts a process or a group. The parts are built from these (fit_parts.py)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Optional, Union
+
+from lightning_horizon.collectives import CollectivesConfig
+from lightning_horizon.sharding import ShardingConfig, resolve_sharding
+from lightning_horizon.store import StoreConfig, resolve_store
+from lightning_horizon.strategy_args import check_arguments, check_state
+
+
+@dataclass(frozen=True)
+class HorizonOptions:
+    """What HorizonStrategy was asked for, every value checked (the strategy's docstring says what each means)."""
+
+    ranks_per_node: Optional[int]
+    bucket_size_mb: float
+    timeout: timedelta
+    process_group_backend: Optional[str]
+    pin_cores: bool
+    threads_per_rank: Optional[int]
+    sharding: Optional[ShardingConfig]
+    collectives: CollectivesConfig
+    state: str
+    node_weights: str
+    state_checkpoint: str
+    store: Optional[StoreConfig]
+
+    @property
+    def bucket_bytes(self) -> int:
+        return int(self.bucket_size_mb * 2**20)
+
+    @classmethod
+    def resolve(
+        cls, *, ranks_per_node: Any, bucket_size_mb: Any, timeout: Any, process_group_backend: Any, pin_cores: Any,
+        threads_per_rank: Any, sharding: Any, collectives: Any, compression: Any, sync_every: Any,
+        sync_warmup_steps: Any, torus_shape: Any, cost_model: Any, state: Any, node_weights: Any,
+        state_checkpoint: Any, state_store: Union[None, str, os.PathLike, StoreConfig], checkpoint_io: Any,
+        ddp_kwargs: dict[str, Any], named: set[str],
+    ) -> "HorizonOptions":
+        """Check every argument (ValueError naming the first bad one) and resolve the configs. ``ddp_kwargs``: the
+        extra keywords for DDPStrategy and DistributedDataParallel; ``named``: the strategy's own parameter names."""
+        resolved_sharding = resolve_sharding(sharding)
+        config = CollectivesConfig(algorithm=collectives, compression=compression, sync_every=sync_every,
+                                   sync_warmup_steps=sync_warmup_steps, torus_shape=torus_shape, cost_model=cost_model)
+        check_state(state, node_weights, state_checkpoint, collectives, compression, sync_every,
+                    ddp_kwargs.get("ddp_comm_hook"))
+        store = resolve_store(state_store)
+        if store is not None and state != "replicated":
+            raise ValueError(f"state_store={state_store!r} with state={state!r}: the out-of-core store holds a whole"
+                             " replica per rank; use state='replicated' (the default) with it")
+        seconds = check_arguments(
+            ranks_per_node=ranks_per_node, bucket_size_mb=bucket_size_mb, timeout=timeout,
+            process_group_backend=process_group_backend, pin_cores=pin_cores, threads_per_rank=threads_per_rank,
+            checkpoint_io=checkpoint_io, collectives_changed=config.changed(), kwargs=ddp_kwargs, named=named,
+        )
+        return cls(ranks_per_node=ranks_per_node, bucket_size_mb=bucket_size_mb, timeout=timedelta(seconds=seconds),
+                   process_group_backend=process_group_backend, pin_cores=pin_cores,
+                   threads_per_rank=threads_per_rank, sharding=resolved_sharding, collectives=config, state=state,
+                   node_weights=node_weights, state_checkpoint=state_checkpoint, store=store)
+
+
+__all__ = ["HorizonOptions"]

@@ -199,7 +199,8 @@ class Parts:
                 part.load_state_dict(self._saved.pop(name))
 
 
-_HOOKS = ("connect", "after_setup", "before_training_step", "after_training_step", "pre_backward", "post_backward", "gradients_ready", "optimizer_stepped",
+_HOOKS = ("connect", "after_setup", "before_training_step", "after_training_step", "pre_backward", "post_backward",
+          "gradients_ready", "optimizer_stepped",
           "after_optimizer_step", "before_save", "state_dict", "load_state_dict", "teardown")
 
 __all__ = ["Part", "PartProtocol", "Parts"]

@@ -128,7 +128,8 @@ class HorizonStrategy(DDPStrategy):
             sharding=sharding, collectives=collectives, compression=compression, sync_every=sync_every,
             sync_warmup_steps=sync_warmup_steps, torus_shape=torus_shape, cost_model=cost_model, state=state,
             node_weights=node_weights, state_checkpoint=state_checkpoint, state_store=state_store,
-            checkpoint_io=checkpoint_io, ddp_kwargs=kwargs, named=set(inspect.signature(HorizonStrategy.__init__).parameters),
+            checkpoint_io=checkpoint_io, ddp_kwargs=kwargs,
+            named=set(inspect.signature(HorizonStrategy.__init__).parameters),
         )
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
@@ -241,9 +242,8 @@ class HorizonStrategy(DDPStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        self.topology = Topology(
-            world_size=self.world_size, rank=self.global_rank, ranks_per_node=self.options.ranks_per_node or self.num_processes
-        )
+        self.topology = Topology(world_size=self.world_size, rank=self.global_rank,
+                                 ranks_per_node=self.options.ranks_per_node or self.num_processes)
         self.process_groups = ProcessGroups(self.topology)
         self._place_and_report()
 

@@ -23,8 +23,8 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_horizon.precision.policy import per_element
 from lightning_horizon.optim import torch_optimizer
+from lightning_horizon.precision.policy import per_element
 
 if TYPE_CHECKING:
     from lightning_horizon.state import TrainingState

@@ -24,11 +24,11 @@ from lightning_horizon.node_state.optimizers import check_optimizers
 from lightning_horizon.node_state.ownership import Bucket, plan_buckets
 from lightning_horizon.node_state.reduce import OwnerReduce
 from lightning_horizon.node_state.shared_params import SharedParameters
+from lightning_horizon.optim import torch_optimizer
 from lightning_horizon.parts import Part
 from lightning_horizon.precision import HorizonPrecision
 from lightning_horizon.state import TrainingState
 from lightning_horizon.topology import ProcessGroups
-from lightning_horizon.optim import torch_optimizer
 
 log = logging.getLogger(__name__)
 

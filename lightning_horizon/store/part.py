@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional
 from torch import nn
 
 from lightning_horizon.memory.probe import fmt_bytes
+from lightning_horizon.optim import torch_optimizer
 from lightning_horizon.parts import Part
 from lightning_horizon.state import TrainingState
 from lightning_horizon.store.config import StoreConfig
@@ -25,7 +26,6 @@ from lightning_horizon.store.reserve import describe, merge, state_kinds
 from lightning_horizon.store.step import StreamedStep, backward_step_conflicts, check_optimizers
 from lightning_horizon.store.store import StateStore, io_counters
 from lightning_horizon.store.units import plan_units
-from lightning_horizon.optim import torch_optimizer
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from typing import Any
 
 from lightning_horizon.memory.optimizer_state import OptimizerStateUnknown, StateKinds
 from lightning_horizon.memory.optimizer_state import state_kinds as learn_state_kinds
-from lightning_horizon.state import TrainingState
 from lightning_horizon.optim import torch_optimizer
+from lightning_horizon.state import TrainingState
 
 
 def state_kinds(optimizer: Any, training_state: TrainingState) -> StateKinds:

@@ -27,11 +27,10 @@ from torch import Tensor
 from torch.optim import LBFGS, Optimizer
 from torch.optim.optimizer import _global_optimizer_pre_hooks
 
-from lightning_horizon.optim import ParamSlice, step_in_parts
+from lightning_horizon.optim import ParamSlice, step_in_parts, torch_optimizer
 from lightning_horizon.state import TrainingState
 from lightning_horizon.store.store import StateStore
 from lightning_horizon.store.units import Unit
-from lightning_horizon.optim import torch_optimizer
 
 _MISSING = object()
 

@@ -466,5 +466,6 @@ def summary(ex: dict) -> str:
     return " ".join(parts)
 
 
-__all__ = ["COMPRESSIONS", "COST_MODELS", "EPOCH_STEPS", "OPTIMIZERS", "REFUSED", "constrain", "draw", "key", "n_optimizers", "needs_unused",
+__all__ = ["COMPRESSIONS", "COST_MODELS", "EPOCH_STEPS", "OPTIMIZERS", "REFUSED", "constrain", "draw", "key",
+           "n_optimizers", "needs_unused",
            "refused_examples", "refusal", "simplest", "summary", "twin_changes", "unrefuse"]

@@ -32,11 +32,11 @@ from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_horizon.callbacks.backoff_world import agree_across_ranks, node_of, rank_zero, scale_error_feedback
 from lightning_horizon.checks import check_int, is_number, require
 from lightning_horizon.gradnorm import clip_grads_, total_norm_fp32
 from lightning_horizon.precision import HorizonPrecision
@@ -195,7 +195,7 @@ class GradNormBackoff(Callback):
 
         params = [p for group in optimizer.param_groups for p in group["params"]]
         measured = self._step_norm(trainer, params)
-        norm, clip_norm = _agree_across_ranks(measured, *_node_of(trainer))
+        norm, clip_norm = agree_across_ranks(measured, *node_of(trainer))
         st.steps += 1
         st.last_grad_norm = norm
         step = trainer.global_step
@@ -208,7 +208,7 @@ class GradNormBackoff(Callback):
                 st.healthy_streak = 0
                 old = st.scale
                 st.scale = max(self.min_scale, st.scale * self.factor)
-                _rank_zero(trainer, log.warning, "GradNormBackoff: non-finite gradient norm (%s) at step %d: step "
+                rank_zero(trainer, log.warning, "GradNormBackoff: non-finite gradient norm (%s) at step %d: step "
                            "skipped (%d so far); lr scale %.4g -> %.4g.", norm, step, st.skipped_steps, old, st.scale)
             self._log(trainer, pl_module, idx, st)
             return
@@ -228,7 +228,7 @@ class GradNormBackoff(Callback):
             old = st.scale
             st.scale = max(self.min_scale, st.scale * self.factor)
             limit = min(x for x in (self.spike_threshold, zlimit) if x is not None and norm > x)
-            _rank_zero(trainer, log.warning, "GradNormBackoff: gradient norm spike %.4g > %.4g at step %d (%d so far): "
+            rank_zero(trainer, log.warning, "GradNormBackoff: gradient norm spike %.4g > %.4g at step %d (%d so far): "
                        "lr scale %.4g -> %.4g.", norm, limit, step, st.spikes, old, st.scale)
         else:
             st.healthy_streak += 1
@@ -236,7 +236,7 @@ class GradNormBackoff(Callback):
                 old = st.scale
                 st.scale = min(1.0, st.scale * self.recover_factor)
                 st.healthy_streak = 0
-                _rank_zero(trainer, log.info, "GradNormBackoff: %d healthy steps at step %d: lr scale %.4g -> %.4g.",
+                rank_zero(trainer, log.info, "GradNormBackoff: %d healthy steps at step %d: lr scale %.4g -> %.4g.",
                            self.recover_after, step, old, st.scale)
 
         # as clip_grad_norm_: scaled by max_norm / (norm + 1e-6) whenever that is below 1, so also a norm a hair
@@ -246,7 +246,7 @@ class GradNormBackoff(Callback):
             clip = state.clip if state is not None else clip_grads_
             # the norm's own dtype (float64 for float64 gradients, as clip_grad_norm_ computes its coefficient)
             factor = clip(params, self.max_norm, torch.tensor(clip_norm, dtype=measured.dtype))
-            _scale_error_feedback(trainer, params, factor)
+            scale_error_feedback(trainer, params, factor)
         self._apply_lr_scale(optimizer, st.scale)
         self._log(trainer, pl_module, idx, st)
 
@@ -355,49 +355,3 @@ class GradNormBackoff(Callback):
         for name, value in values.items():
             # values are identical on every rank already: no sync_dist
             pl_module.log(f"{self.log_prefix}{name}{suffix}", value, on_step=True, on_epoch=False, logger=True)
-
-
-def _scale_error_feedback(trainer: "pl.Trainer", params: list[Tensor], factor: float) -> None:
-    """Under compression with error feedback (HorizonStrategy), the clipped gradients' residuals shrink with them."""
-    strategy = trainer.strategy
-    sync = getattr(strategy, "gradient_sync", None)
-    if sync is not None:
-        sync.scale_error_feedback([strategy.training_state.parameter_of(p) for p in params], factor)
-
-
-def _node_of(trainer: "pl.Trainer") -> tuple[int, int]:
-    """``(this rank's node, nodes)`` when nodes hold different gradients at a step, else ``(0, 1)``.
-
-    That is HorizonStrategy's local SGD (``sync_every > 1``) on several nodes: between parameter averages a
-    node's gradients are reduced inside the node only, so each node clips by its own norm.
-    """
-    strategy = trainer.strategy
-    if not getattr(strategy, "nodes_diverge", False):
-        return 0, 1
-    return strategy.topology.node_rank, strategy.topology.num_nodes
-
-
-def _agree_across_ranks(norm: Tensor, node: int = 0, nodes: int = 1) -> tuple[float, float]:
-    """``(world norm, this node's norm)`` as floats that every rank (of the node) holds identically.
-
-    One MAX all-reduce over the world of ``[finite norm, is_nan, is_inf]`` per node, each rank filling its node's
-    row (norms are >= 0, so the zeros elsewhere change nothing): a node's row is the MAX over its ranks, and the
-    world norm (NaN if any node's is, else the largest) drives the skip/spike decision, identical on every rank.
-    DDP has averaged the gradients before this point, so the ranks of a node already agree; the all-reduce makes
-    the decision identical by construction, even if a rank's gradients differ (e.g. unsynced parameters).
-    """
-    value = norm.detach().double().reshape(())  # float64 holds an fp32 or a float64 norm exactly
-    finite = bool(torch.isfinite(value))
-    packed = torch.zeros(nodes, 3, dtype=torch.float64)
-    packed[node] = torch.tensor([value.item() if finite else 0.0, float(bool(torch.isnan(value))),
-                                 float(bool(torch.isinf(value)))], dtype=torch.float64)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(packed, op=dist.ReduceOp.MAX)
-    norms = [float("nan") if is_nan else float("inf") if is_inf else v for v, is_nan, is_inf in packed.tolist()]
-    world = float("nan") if any(math.isnan(n) for n in norms) else max(norms)
-    return world, norms[node]
-
-
-def _rank_zero(trainer: "pl.Trainer", fn: Any, *args: Any) -> None:
-    if getattr(trainer, "is_global_zero", True):
-        fn(*args)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_horizon.callbacks import GradNormBackoff
-from lightning_horizon.callbacks.grad_norm_backoff import _agree_across_ranks
+from lightning_horizon.callbacks.backoff_world import agree_across_ranks
 
 SPIKE_AT = 3  # rank 0's loss x 1e6
 NAN_AT = 6  # rank 1's loss x NaN
@@ -65,7 +65,7 @@ class Net(L.LightningModule):
         r = self.global_rank
         probes = [torch.tensor(1.0 + r), torch.tensor(float("nan") if r == 1 else 2.0),
                   torch.tensor(float("inf") if r == 0 else 3.0)]
-        self.agreed = [_agree_across_ranks(t)[0] for t in probes]
+        self.agreed = [agree_across_ranks(t)[0] for t in probes]
 
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)

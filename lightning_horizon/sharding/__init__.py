@@ -2,7 +2,7 @@
 
 ``GraphSharder`` ties the parts together: ``config`` (``ShardingConfig``, and how much memory this rank may use),
 ``profile`` (one pass over training_step: what each module call saves and costs), ``plan`` (which calls to
-recompute: a DP over the call sequence) and ``executor`` (checkpointing installed on instances' ``forward``).
+recompute: a DP over the call sequence; ``shard_plan``, what it returns) and ``executor`` (checkpointing installed on instances' ``forward``).
 """
 
 from lightning_horizon.sharding.config import ShardingConfig, resolve_budget, resolve_sharding

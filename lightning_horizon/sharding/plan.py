@@ -22,26 +22,18 @@ when recomputed units can be split into cheaper children, the finer frontier is 
 from __future__ import annotations
 
 import math
-import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 from lightning_horizon.checks import is_int, require
 from lightning_horizon.memory.probe import fmt_bytes
 from lightning_horizon.sharding.profile import Call, Profile
+from lightning_horizon.sharding.shard_plan import InfeasibleBudgetError, Shard, ShardPlan
 
 #: Recompute cost charged per byte re-materialized, in FLOP-equivalents: roughly a CPU core's FLOP/byte balance
 #: (tens of GFLOP/s against ~10 GB/s), so an elementwise recompute that moves many bytes is not counted as free.
 BYTE_COST = 4.0
 _STATES = 4096  # resolution of the DP's memory axis: prefixes within budget/4096 of each other are merged
-
-
-class InfeasibleBudgetError(ValueError):
-    """No plan fits; ``smallest_feasible`` is the least budget (bytes) for which one does."""
-
-    def __init__(self, message: str, smallest_feasible: int) -> None:
-        super().__init__(message)
-        self.smallest_feasible = smallest_feasible
 
 
 @dataclass
@@ -58,77 +50,9 @@ class _Item:
         return self.call is not None and not self.call.reason and self.kept < self.stored
 
 
-@dataclass
-class Shard:
-    modules: list[str]
-    mode: str  #: "store" or "recompute"
-    params: int
-    peak: int  #: estimated peak RSS while this shard runs backward
-
-
-@dataclass
-class ShardPlan:
-    recompute: list[tuple[str, int]]  #: (module path, occurrence) of every call to checkpoint
-    shards: list[Shard]
-    budget: int
-    target: int  #: what the plan aims at: headroom * budget, or the budget itself when nothing is recomputed
-    fixed: int  #: resident before the step (weights, optimizer state, runtime)
-    estimated_peak: int
-    recompute_flops: int
-    forward_flops: int
-    scale: float  #: calibration applied to the profiled activation bytes (1 until a re-plan measures)
-    profile_mode: str
-    floor: int = 0  #: smallest estimated peak any plan on this profile reaches
-    counted: list[str] = field(default_factory=list)  #: modules called more than once per step
-
-    def table(self) -> str:
-        """The plan as printed at fit start: one row per shard."""
-        overhead = self.recompute_flops / (3 * self.forward_flops) if self.forward_flops else 0.0
-        lines = [
-            f"ShardPlan: budget {fmt_bytes(self.budget)} (aim {fmt_bytes(self.target)}) | resident"
-            f" {fmt_bytes(self.fixed)} | estimated peak {fmt_bytes(self.estimated_peak)} | recompute"
-            f" {len(self.recompute)} call(s), +{overhead:.1%} step FLOPs | profile {self.profile_mode}"
-            + (f" | activation scale x{self.scale:.2f}" if self.scale != 1.0 else ""),
-            f"{'shard':>5}  {'modules':<48} {'params':>10} {'est. peak':>10}  mode",
-        ]
-        for i, s in enumerate(self.shards):
-            lines.append(
-                f"{i:>5}  {_compress(s.modules):<48} {fmt_bytes(s.params):>10} {fmt_bytes(s.peak):>10}  {s.mode}"
-            )
-        return "\n".join(lines)
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["recompute"] = [list(k) for k in self.recompute]
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "ShardPlan":
-        d = dict(d)
-        d["recompute"] = [(str(n), int(o)) for n, o in d["recompute"]]
-        d["shards"] = [Shard(**s) for s in d["shards"]]
-        return cls(**d)
-
-
 def _label(call: Call, calls_per_name: dict[str, int]) -> str:
     name = call.name or "<root>"
     return f"{name}#{call.occurrence}" if calls_per_name[call.name] > 1 else name
-
-
-def _compress(names: list[str], width: int = 48) -> str:
-    """['h.0', 'h.1', 'h.2.attn', 'h.3.attn'] -> 'h.0-1, h.2-3.attn' (runs of consecutive indices merged)."""
-    runs: list[list] = []  # [prefix, first, last, rest]
-    for n in names:
-        m = re.match(r"^(.*?\.)(\d+)((?:\..*)?)$", n)
-        if m and runs and runs[-1][0] == m[1] and runs[-1][3] == m[3] and runs[-1][2] == int(m[2]) - 1:
-            runs[-1][2] = int(m[2])
-        elif m:
-            runs.append([m[1], int(m[2]), int(m[2]), m[3]])
-        else:
-            runs.append([n, None, None, ""])
-    parts = [r[0] if r[1] is None else f"{r[0]}{r[1]}{'-' + str(r[2]) if r[2] != r[1] else ''}{r[3]}" for r in runs]
-    text = ", ".join(parts) or "(step code)"
-    return text if len(text) <= width else text[: width - 1] + "…"
 
 
 def _items(profile: Profile, frontier: set[int], scale: float) -> list[_Item]:

@@ -105,7 +105,7 @@ def test_resolve():
 
 def test_split_shares_every_byte_once_in_whole_pages():
     from lightning_horizon.store.files import PAGE
-    from lightning_horizon.store.store import split
+    from lightning_horizon.store.sizes import split
 
     class File:
         def __init__(self, used: int) -> None:
@@ -128,7 +128,7 @@ def test_overwriting_discarded_bytes_reads_nothing_back(tmp_path):
     """Tensors placed over dropped ones (new gradients over last step's) read nothing back from the disk once the
     file's bytes are discarded; a discarded range keeps the partial pages at its ends."""
     from lightning_horizon.store.files import PAGE, MappedFile
-    from lightning_horizon.store.store import io_counters
+    from lightning_horizon.store.files import io_counters
 
     f = MappedFile(str(tmp_path), "g", 64 * PAGE)
     views = [f.view(torch.Size([n]), torch.float32) for n in (10, 5 * PAGE + 3, 10)]
@@ -161,7 +161,7 @@ def test_overwriting_discarded_bytes_reads_nothing_back(tmp_path):
 def test_new_gradients_read_nothing_of_the_last_ones(tmp_path):
     """After ``zero_grad`` a backward writes its gradients over last step's without reading them back from the disk;
     gradients that accumulate (no ``zero_grad``) are read back and summed: the same values as in RAM."""
-    from lightning_horizon.store.store import io_counters
+    from lightning_horizon.store.files import io_counters
 
     def make() -> nn.Module:
         torch.manual_seed(0)
@@ -212,7 +212,7 @@ def test_reads_are_measured_alone_or_shared_with_a_write_back(tmp_path, readers)
     when one did; every prefetched byte is read once, whatever the number of readers."""
     import threading
 
-    from lightning_horizon.store.store import WEIGHT
+    from lightning_horizon.store.sizes import WEIGHT
 
     model = _stack(4)
     store = StateStore(str(tmp_path), plan_units(model), "read", readers)

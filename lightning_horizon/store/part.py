@@ -24,7 +24,8 @@ from lightning_horizon.store.folder import FitFolder
 from lightning_horizon.store.probe import DiskBandwidth, disk_bandwidth, probe_size
 from lightning_horizon.store.reserve import describe, merge, state_kinds
 from lightning_horizon.store.step import StreamedStep, backward_step_conflicts, check_optimizers
-from lightning_horizon.store.store import StateStore, io_counters
+from lightning_horizon.store.files import io_counters
+from lightning_horizon.store.store import StateStore
 from lightning_horizon.store.units import plan_units
 
 log = logging.getLogger(__name__)

@@ -35,31 +35,11 @@ from torch import Tensor
 from torch.autograd.graph import get_gradient_edge
 
 from lightning_horizon.precision.policy import per_element
-from lightning_horizon.store.files import PAGE, READ_CHUNK, MappedFile, Reservation, align
+from lightning_horizon.store.files import READ_CHUNK, MappedFile, Reservation, before_compute, io_counters
+from lightning_horizon.store.sizes import GRAD, WEIGHT, file_bytes, pending, split, state_kind
 from lightning_horizon.store.units import Unit
 
 log = logging.getLogger(__name__)
-
-WEIGHT, GRAD = "weight", "grad"
-
-
-def io_counters(path: str = "/proc/thread-self/io") -> tuple[int, int]:
-    """(read_bytes, write_bytes) this thread (or process) sent to storage so far; (0, 0) where not readable."""
-    try:
-        with open(path) as f:
-            fields = dict(line.split(": ") for line in f.read().splitlines())
-        return int(fields["read_bytes"]), int(fields["write_bytes"])
-    except (OSError, KeyError, ValueError):
-        return 0, 0
-
-
-def _before_compute() -> None:
-    """A reading thread runs before the compute threads when both are ready (it needs the CPU briefly, between
-    waits on the disk); without the permission to raise a priority, it stays as it is."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), -10)
-    except OSError:
-        pass
 
 
 class StateStore:
@@ -85,7 +65,7 @@ class StateStore:
         # ``readers`` threads share each unit's bytes (a deeper queue for the disk)
         self.readers = readers
         self._reader = ThreadPoolExecutor(max_workers=readers, thread_name_prefix="horizon-store-read",
-                                          initializer=_before_compute)
+                                          initializer=before_compute)
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="horizon-store-write")
         self._scratch = threading.local()  # each reading thread's buffer where MADV_POPULATE_READ is missing
         self._lock = threading.Lock()
@@ -108,19 +88,8 @@ class StateStore:
     # ------------------------------------------------------------------ placement
 
     def pending(self, state_kinds: dict[int, set[tuple[str, torch.dtype]]]) -> tuple[int, int]:
-        """Disk bytes of the files that the first backward and step will create and that do not exist yet: one for
-        each unit's gradients, and one for each kind of per-element optimizer state a parameter of the unit will
-        have (``state_kinds``: by parameter id, (state key, dtype) pairs, as store/reserve.py learns them). Returns
-        (gradients, optimizer state)."""
-        grads = state = 0
-        for u in self.units:
-            if not u.params:
-                continue
-            if (u.index, GRAD) not in self._files:  # gradients in the parameters' dtype (the widest of the unit)
-                grads += file_bytes(u, max((p.dtype for p in u.params), key=lambda d: d.itemsize))
-            kinds = {state_kind(k, d): d for p in u.params for k, d in state_kinds.get(id(p), ())}
-            state += sum(file_bytes(u, d) for kind, d in kinds.items() if (u.index, kind) not in self._files)
-        return grads, state
+        """Disk bytes of the files the first backward and step will create (store/sizes.py ``pending``)."""
+        return pending(self.units, set(self._files), state_kinds)
 
     def file(self, unit: Unit, kind: str, dtype: torch.dtype) -> MappedFile:
         key = (unit.index, kind)
@@ -422,34 +391,4 @@ class StateStore:
             f.close()
 
 
-def state_kind(key: str, dtype: torch.dtype) -> str:
-    """The kind of the store's file for the per-element optimizer state ``key`` in ``dtype``."""
-    return f"state.{key}.{str(dtype).removeprefix('torch.')}"
-
-
-def file_bytes(unit: Unit, dtype: torch.dtype) -> int:
-    """The disk bytes of ``unit``'s file of one kind in ``dtype``: every parameter's tensor 64-byte aligned, whole
-    pages."""
-    return align(max(sum(-(-p.numel() * dtype.itemsize // 64) * 64 for p in unit.params), 1))
-
-
-def split(files: list[MappedFile], n: int) -> list[list[tuple[MappedFile, int, int]]]:
-    """``files``' bytes in at most ``n`` contiguous shares of about equal size (whole pages), each a list of
-    (file, start, end) ranges."""
-    share = -(-sum(align(f.used) for f in files) // max(n, 1) // PAGE) * PAGE
-    parts: list[list[tuple[MappedFile, int, int]]] = [[]]
-    room = share
-    for f in files:
-        start = 0
-        while start < f.used:
-            if room == 0:
-                parts.append([])
-                room = share
-            end = min(align(f.used), start + room)
-            parts[-1].append((f, start, min(end, f.used)))
-            room -= end - start
-            start = end
-    return [p for p in parts if p]
-
-
-__all__ = ["StateStore", "split", "state_kind", "file_bytes", "WEIGHT", "GRAD", "io_counters"]
+__all__ = ["StateStore"]

@@ -1,7 +1,7 @@
 """Collectives: bad input, the cost model, the codecs, and two worlds of 4 ranks in one launch.
 
 * tests/scripts/collectives_ddp.py: raw torch DDP on gloo, 4 ranks as 2 emulated nodes x 2:
-  gradient parity of every hook with DDP's own allreduce over 100 iterations, bitwise agreement across ranks,
+  gradient parity of every hook with DDP's own allreduce over 40 iterations, bitwise agreement across ranks,
   error feedback, byte accounting vs the cost model, loss trajectories, compressed training, local SGD (the
   schedule, and each average against the float64 mean of the nodes' weights before it), bf16 buckets summed in
   fp32, error feedback through a non-finite step.

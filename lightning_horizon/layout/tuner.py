@@ -24,6 +24,7 @@ cached (cache.py) under the workload the worker reports, where the script's auto
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import statistics
@@ -31,7 +32,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence

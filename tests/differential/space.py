@@ -257,6 +257,8 @@ def constrain(ex: dict) -> dict:
         # one rank against two trains other batches (compared with "ddp" resumed alike); node_sharded against
         # replicated differs by float64 rounding only
         ex["precision"] = "64-true"
+    if loses_plateau_step(ex):
+        ex["precision"] = "64-true"  # compared with "ddp" resumed alike
     if ex["sync_every"] > 1:
         # the nodes hold different weights and optimizer states (collectives.md): a resume is promised exact in the
         # same layout (reliability.md), evaluated from a checkpoint between two averages nothing is promised for
@@ -268,7 +270,7 @@ def constrain(ex: dict) -> dict:
             r["from"], r["layout"] = "during", ("ram" if r["layout"] == "ram" else "same")
             if ex["steps"] >= 2 * EPOCH_STEPS:
                 ex["ckpt_during"] = True
-            if not ex["ckpt_during"] or casts_on_load(ex):
+            if not ex["ckpt_during"] or casts_on_load(ex) or loses_plateau_step(ex):
                 ex["resume"] = None
     if resumed_against_ddp(ex):
         # "ddp" does not restore the RNG states on resume (strategy.md), HorizonStrategy does: dropout masks differ
@@ -402,11 +404,18 @@ def casts_on_load(ex: dict) -> bool:
     return ex["precision"] == "64-true" and any(n in SCALAR_STATE for n in names)
 
 
+def loses_plateau_step(ex: dict) -> bool:
+    """A resume from the mid-fit checkpoint misses that epoch's ReduceLROnPlateau step: Lightning's fit loop steps
+    a plateau scheduler after ``on_train_epoch_end``, where ModelCheckpoint saves (reliability.md; "ddp" alike)."""
+    r, s = ex["resume"], ex["scheduler"]
+    return r is not None and r["from"] == "during" and s is not None and s["name"] == "ReduceLROnPlateau"
+
+
 def resumed_against_ddp(ex: dict) -> bool:
     """The resumed fit is compared with "ddp" resumed alike (tests/differential/plan.py)."""
     r = ex["resume"]
     return r is not None and ex["precision"] == "64-true" and (r["from"] == "after" or r["layout"] == "world1"
-                                                                or casts_on_load(ex))
+                                                                or casts_on_load(ex) or loses_plateau_step(ex))
 
 
 def needs_unused(ex: dict) -> bool:
@@ -467,5 +476,5 @@ def summary(ex: dict) -> str:
 
 
 __all__ = ["COMPRESSIONS", "COST_MODELS", "EPOCH_STEPS", "OPTIMIZERS", "REFUSED", "constrain", "draw", "key",
-           "n_optimizers", "needs_unused",
+           "loses_plateau_step", "n_optimizers", "needs_unused",
            "refused_examples", "refusal", "simplest", "summary", "twin_changes", "unrefuse"]

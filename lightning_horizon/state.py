@@ -67,13 +67,33 @@ class TrainingState:
 
     def register_master(self, param: Tensor, master: Tensor) -> None:
         self._compensation.pop(param, None)
-        master.data = self.place(param, "master", master.data)
+        self.rebind(master, self.place(param, "master", master.data))
         self._masters[param] = master
         self._param_of[master] = param
 
     def register_compensation(self, param: Tensor, compensation: Tensor) -> None:
         self._masters.pop(param, None)
         self._compensation[param] = self.place(param, "compensation", compensation)
+
+    # ------------------------------------------------------------------ parameter storage
+
+    def rebind(self, param: Tensor, storage: Tensor) -> None:
+        """Make ``storage`` the data of ``param`` (a module parameter or a master) in place of its own: the object
+        stays, so optimizers, hooks, ``state_dict`` keys and tied weights (one Parameter reached twice) follow. The
+        one place that changes a parameter's storage: a shared-memory view (node_state/), a store file's view
+        (store/), a bf16 copy (precision/). After DDP wraps the module, a new dtype drops the parameter's allreduce."""
+        param.data = storage
+
+    def to_dtype(self, params: Iterable[Tensor], dtype: torch.dtype) -> None:
+        """Store every floating-point tensor of ``params`` in ``dtype`` (the others, and those already in it, stay)."""
+        for p in params:
+            if p.is_floating_point() and p.dtype != dtype:
+                self.rebind(p, p.data.to(dtype))
+
+    def own_memory(self, params: Iterable[Tensor]) -> None:
+        """Give every tensor of ``params`` a private copy of its values (out of a shared or mapped file it viewed)."""
+        for p in params:
+            self.rebind(p, p.data.clone())
 
     # ------------------------------------------------------------------ where the tensors live (out-of-core store)
 

@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 
 from lightning_horizon.layout import cache as layout_cache
 from lightning_horizon.layout.rule import Layout, Machine, candidates, rule_layout
-from lightning_horizon.layout.script import ScriptShapeError, inspect_script
+from lightning_horizon.layout.script import ScriptShape, ScriptShapeError, inspect_script
 from lightning_horizon.layout.tuner import (ALLOWED, Result, check_same_workload, clean_env, script_command, select,
                                             table, tune)
 from lightning_horizon.memory.probe import node_free_memory
@@ -65,6 +65,32 @@ def _script(text: str) -> str:
 def main(argv: Optional[list[str]] = None) -> Result:
     """The command line (see the module's docstring): a bad flag, a missing script or one the tuner cannot run exits
     2 before any layout runs; when no layout ran, it exits 1 with each one's failure."""
+    a = _parser().parse_args(argv)
+    machine = Machine.here()
+    layouts = candidates(machine.cores, machine.domains) if a.layouts == "all" else a.layouts
+    shape = _inspect(a, layouts)
+    print(f"tune: {a.script} {' '.join(a.script_args)} | {machine.describe()} | layouts"
+          f" {', '.join(map(str, sorted(layouts)))} | {a.warmup} warm-up + {a.steps} measured steps each", flush=True)
+    command = script_command(a.script, a.script_args, a.warmup + a.steps, a.batch_arg, shape.subcommand,
+                             shape.strategy_args)
+    results = tune(command, layouts,
+                   warmup=a.warmup, steps=a.steps, timeout=a.timeout, retries=a.retries,
+                   max_foreign=a.max_foreign, global_batch=a.batch,
+                   progress=lambda s: print(s, flush=True))
+    check_same_workload(results)
+    winner = select(results, a.tolerance)
+    print(table(results, winner))
+    if winner is None:
+        why = "".join(f"\n  {r.layout} {r.status}: {r.note}" for r in results)
+        print(f"tune: no layout ran; nothing cached:{why}", file=sys.stderr)
+        raise SystemExit(1)
+    rule = _report(winner, results, machine, a.max_foreign)
+    if not a.no_cache:
+        _cache(winner, results, rule, machine, a.cache)
+    return winner
+
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m lightning_horizon.tune", description=__doc__.split("\n\n")[0],
                                 epilog="everything after SCRIPT goes to the script (LightningCLI arguments)")
     p.add_argument("--layouts", type=_layouts, default="all",
@@ -86,52 +112,49 @@ def main(argv: Optional[list[str]] = None) -> Result:
     p.add_argument("--no-cache", action="store_true", help="print the winner, do not store it")
     p.add_argument("script", type=_script, help="a LightningCLI training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER)
-    a = p.parse_args(argv)
-    machine = Machine.here()
-    layouts = candidates(machine.cores, machine.domains) if a.layouts == "all" else a.layouts
+    return p
+
+
+def _inspect(a: argparse.Namespace, layouts: list[Layout]) -> ScriptShape:
+    """How the tuner runs the script (read from its ``--print_config``); exits 2, before any layout runs, when it
+    cannot."""
     try:
-        shape = inspect_script(a.script, a.script_args, a.batch_arg if any(x.ranks > 1 for x in layouts) else None,
-                               clean_env(), min(a.timeout, 300))
+        return inspect_script(a.script, a.script_args, a.batch_arg if any(x.ranks > 1 for x in layouts) else None,
+                              clean_env(), min(a.timeout, 300))
     except ScriptShapeError as e:
         print(f"tune: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    print(f"tune: {a.script} {' '.join(a.script_args)} | {machine.describe()} | layouts"
-          f" {', '.join(map(str, sorted(layouts)))} | {a.warmup} warm-up + {a.steps} measured steps each", flush=True)
-    command = script_command(a.script, a.script_args, a.warmup + a.steps, a.batch_arg, shape.subcommand,
-                             shape.strategy_args)
-    results = tune(command, layouts,
-                   warmup=a.warmup, steps=a.steps, timeout=a.timeout, retries=a.retries,
-                   max_foreign=a.max_foreign, global_batch=a.batch,
-                   progress=lambda s: print(s, flush=True))
-    check_same_workload(results)
-    winner = select(results, a.tolerance)
-    print(table(results, winner))
-    if winner is None:
-        why = "".join(f"\n  {r.layout} {r.status}: {r.note}" for r in results)
-        print(f"tune: no layout ran; nothing cached:{why}", file=sys.stderr)
-        raise SystemExit(1)
+
+
+def _report(winner: Result, results: list[Result], machine: Machine, max_foreign: float) -> Layout:
+    """Print the winner, a warning when neighbours took the machine, and how the untuned rule's layout compares;
+    returns the rule's layout."""
     rep = winner.report
     rule, why = rule_layout(rep["param_bytes"], rep["largest_bytes"], machine, rep["workload"]["global_batch"],
                             node_free_memory())
     ran = next((r for r in results if r.layout == rule and r.status == "ok"), None)
     print(f"winner: {winner.layout} ({winner.throughput:,.0f} {winner.unit})")
     busy = max(r.foreign for r in results if r.status == "ok")
-    if busy > a.max_foreign:
+    if busy > max_foreign:
         print(f"warning: other processes took up to {100 * busy:.0f}% of the machine while layouts were measured:"
               " the choice may reflect the neighbours (a pool of several threads suffers most); tune again on a quiet"
               " machine")
     print(f"rule without tuning: {rule}" + (f" = {ran.throughput / winner.throughput:.2f}x the winner" if ran
                                             else " (not measured)") + f" [{why}]")
-    if not a.no_cache:
-        path = layout_cache.cache_path(a.cache)
-        layout_cache.store(rep["workload"], {
-            "ranks": winner.layout.ranks, "threads": winner.layout.threads, "throughput": winner.throughput,
-            "unit": winner.unit, "rule": str(rule),
-            "table": [{"layout": str(r.layout), "status": r.status, "throughput": r.throughput,
-                       "peak_rss": r.peak_rss, "foreign": r.foreign, "note": r.note} for r in results],
-        }, path, machine)
-        print(f"cached in {path}")
-    return winner
+    return rule
+
+
+def _cache(winner: Result, results: list[Result], rule: Layout, machine: Machine, cache: Optional[str]) -> None:
+    """Store the winner and the whole table for this workload on this machine (``cache``: the file, or the
+    default)."""
+    path = layout_cache.cache_path(cache)
+    layout_cache.store(winner.report["workload"], {
+        "ranks": winner.layout.ranks, "threads": winner.layout.threads, "throughput": winner.throughput,
+        "unit": winner.unit, "rule": str(rule),
+        "table": [{"layout": str(r.layout), "status": r.status, "throughput": r.throughput,
+                   "peak_rss": r.peak_rss, "foreign": r.foreign, "note": r.note} for r in results],
+    }, path, machine)
+    print(f"cached in {path}")
 
 
 if __name__ == "__main__":

@@ -168,7 +168,7 @@ def test_new_gradients_read_nothing_of_the_last_ones(tmp_path):
         return nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.Tanh()) for _ in range(3)], nn.Linear(256, 1))
 
     model, twin, x = make(), make(), torch.randn(4, 256)
-    store = StateStore(str(tmp_path), plan_units(model), "none", 1)
+    store = StateStore(str(tmp_path), plan_units(model), "none", 1, training_state=TrainingState())
     store.install()
     try:
         for u in store.units:  # weights stay mapped once read: the reads below are the gradients' only
@@ -215,7 +215,7 @@ def test_reads_are_measured_alone_or_shared_with_a_write_back(tmp_path, readers)
     from lightning_horizon.store.sizes import WEIGHT
 
     model = _stack(4)
-    store = StateStore(str(tmp_path), plan_units(model), "read", readers)
+    store = StateStore(str(tmp_path), plan_units(model), "read", readers, training_state=TrainingState())
     store.install()
     streamed = [u for u in store.units if u.streamed]
     try:
@@ -268,7 +268,7 @@ def test_layer_by_layer_step_is_the_whole_step(tmp_path, make, in_backward):
     the pre-hooks with the first unit, inside backward), a scheduler's wrapper of ``step`` is kept and put back."""
     ref, mod = _stack(), _stack()
     state = TrainingState()
-    store = StateStore(str(tmp_path), plan_units(mod), "read")
+    store = StateStore(str(tmp_path), plan_units(mod), "read", training_state=state)
     store.install()
     state.store = store
     opt_ref, opt = make(ref.parameters()), make(mod.parameters())
@@ -850,7 +850,7 @@ def test_reserved_disk_is_what_the_first_step_creates(tmp_path, make, per_param)
 
     ref, mod = _stack(), _stack()
     state = TrainingState()
-    store = StateStore(str(tmp_path), plan_units(mod), "none")
+    store = StateStore(str(tmp_path), plan_units(mod), "none", training_state=state)
     store.install()
     state.store = store
     opt_ref, opt = make(list(ref.parameters())), make(list(mod.parameters()))

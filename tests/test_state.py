@@ -48,6 +48,37 @@ def test_float64_weights_are_read_and_averaged_in_float64():
 AVERAGE_RTOL = {"fp32": 2.0**-23, "kahan": 2.0**-16}
 
 
+def test_storage_changes_keep_the_parameter_objects_and_their_ties():
+    # to_dtype / own_memory / rebind: how precision, node_state and the store change where a parameter's bytes are;
+    # optimizers, hooks, state_dict keys and tied weights hold the Parameter objects, which must stay
+    torch.manual_seed(0)
+    emb, head = torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False)
+    head.weight = emb.weight  # tied
+    counts = torch.nn.Parameter(torch.arange(3), requires_grad=False)  # integer: not a float to convert
+    module = torch.nn.ModuleDict({"emb": emb, "head": head})
+    module.register_parameter("counts", counts)
+    params = list(module.parameters())
+    ids = [id(p) for p in params]
+    opt = torch.optim.SGD(params, lr=0.1)
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    state = TrainingState()
+    state.to_dtype(module.parameters(), torch.bfloat16)
+    assert [id(p) for p in module.parameters()] == ids == [id(p) for p in opt.param_groups[0]["params"]]
+    assert head.weight is emb.weight and emb.weight.dtype == torch.bfloat16
+    assert torch.equal(emb.weight.detach(), before["emb.weight"].to(torch.bfloat16))
+    assert counts.dtype == torch.int64 and torch.equal(counts, before["counts"])
+    raw = torch.zeros(emb.weight.numel(), dtype=torch.bfloat16)
+    view = raw.view(emb.weight.shape)
+    view.copy_(emb.weight.detach())
+    state.rebind(emb.weight, view)  # a view into a shared file, say
+    assert head.weight is emb.weight and emb.weight.data_ptr() == raw.data_ptr()
+    state.own_memory([emb.weight])
+    raw.fill_(7)
+    assert emb.weight.data_ptr() != raw.data_ptr() and head.weight is emb.weight
+    assert torch.equal(emb.weight.detach(), before["emb.weight"].to(torch.bfloat16))
+    assert [id(p) for p in module.parameters()] == ids
+
+
 def test_local_sgd_averages_the_masters_so_every_rank_holds_the_same_true_weights(tmp_path):
     """Defect: the periodic average took the bf16 module weights only, and each node's master overwrote it.
 

@@ -198,55 +198,14 @@ class GradNormBackoff(Callback):
         norm, clip_norm = agree_across_ranks(measured, *node_of(trainer))
         st.steps += 1
         st.last_grad_norm = norm
-        step = trainer.global_step
-
         if not math.isfinite(norm):
             if self.skip_nonfinite:
-                for p in params:
-                    p.grad = None  # torch optimizers skip params without a grad: weights and state stay as they are
-                st.skipped_steps += 1
-                st.healthy_streak = 0
-                old = st.scale
-                st.scale = max(self.min_scale, st.scale * self.factor)
-                rank_zero(trainer, log.warning, "GradNormBackoff: non-finite gradient norm (%s) at step %d: step "
-                           "skipped (%d so far); lr scale %.4g -> %.4g.", norm, step, st.skipped_steps, old, st.scale)
+                self._skip(trainer, params, st)
             self._log(trainer, pl_module, idx, st)
             return
-
-        zlimit = self._zscore_limit(st)
-        is_spike = (self.spike_threshold is not None and norm > self.spike_threshold) or (
-            zlimit is not None and norm > zlimit
-        )
-        if self.spike_zscore is not None and (zlimit is not None or not is_spike):
-            st.window.append(norm if zlimit is None else min(norm, zlimit))
-            while len(st.window) > self.zscore_window:
-                st.window.popleft()
-
-        if is_spike:
-            st.spikes += 1
-            st.healthy_streak = 0
-            old = st.scale
-            st.scale = max(self.min_scale, st.scale * self.factor)
-            limit = min(x for x in (self.spike_threshold, zlimit) if x is not None and norm > x)
-            rank_zero(trainer, log.warning, "GradNormBackoff: gradient norm spike %.4g > %.4g at step %d (%d so far): "
-                       "lr scale %.4g -> %.4g.", norm, limit, step, st.spikes, old, st.scale)
-        else:
-            st.healthy_streak += 1
-            if st.healthy_streak >= self.recover_after and st.scale < 1.0:
-                old = st.scale
-                st.scale = min(1.0, st.scale * self.recover_factor)
-                st.healthy_streak = 0
-                rank_zero(trainer, log.info, "GradNormBackoff: %d healthy steps at step %d: lr scale %.4g -> %.4g.",
-                           self.recover_after, step, old, st.scale)
-
-        # as clip_grad_norm_: scaled by max_norm / (norm + 1e-6) whenever that is below 1, so also a norm a hair
-        # under max_norm (a user's own clip to the same value first); clip_grads_ writes nothing otherwise
+        self._judge(trainer, st, norm)
         if self.max_norm is not None:
-            state = getattr(trainer.strategy, "training_state", None)  # HorizonStrategy: out-of-core streams
-            clip = state.clip if state is not None else clip_grads_
-            # the norm's own dtype (float64 for float64 gradients, as clip_grad_norm_ computes its coefficient)
-            factor = clip(params, self.max_norm, torch.tensor(clip_norm, dtype=measured.dtype))
-            scale_error_feedback(trainer, params, factor)
+            self._clip(trainer, params, torch.tensor(clip_norm, dtype=measured.dtype))
         self._apply_lr_scale(optimizer, st.scale)
         self._log(trainer, pl_module, idx, st)
 
@@ -307,6 +266,65 @@ class GradNormBackoff(Callback):
         if state is not None:
             return state.grad_norm(params, self.norm_type)
         return total_norm_fp32(params, self.norm_type)
+
+    def _skip(self, trainer: "pl.Trainer", params: list[Tensor], st: BackoffState) -> None:
+        """A non-finite norm: no step, and a backoff."""
+        for p in params:
+            p.grad = None  # torch optimizers skip params without a grad: weights and state stay as they are
+        st.skipped_steps += 1
+        old = self._back_off(st)
+        rank_zero(trainer, log.warning, "GradNormBackoff: non-finite gradient norm (%s) at step %d: step skipped (%d so"
+                   " far); lr scale %.4g -> %.4g.", st.last_grad_norm, trainer.global_step, st.skipped_steps, old,
+                   st.scale)
+
+    def _judge(self, trainer: "pl.Trainer", st: BackoffState, norm: float) -> None:
+        """A finite norm: a spike backs the scale off; a healthy step counts towards a recovery."""
+        limit = self._spike_limit(st, norm)
+        if limit is not None:
+            st.spikes += 1
+            old = self._back_off(st)
+            rank_zero(trainer, log.warning, "GradNormBackoff: gradient norm spike %.4g > %.4g at step %d (%d so far): "
+                       "lr scale %.4g -> %.4g.", norm, limit, trainer.global_step, st.spikes, old, st.scale)
+            return
+        st.healthy_streak += 1
+        if st.healthy_streak >= self.recover_after and st.scale < 1.0:
+            old = st.scale
+            st.scale = min(1.0, st.scale * self.recover_factor)
+            st.healthy_streak = 0
+            rank_zero(trainer, log.info, "GradNormBackoff: %d healthy steps at step %d: lr scale %.4g -> %.4g.",
+                       self.recover_after, trainer.global_step, old, st.scale)
+
+    def _back_off(self, st: BackoffState) -> float:
+        """Multiply the scale by ``factor`` (down to ``min_scale``) and restart the healthy streak; the old scale."""
+        old = st.scale
+        st.scale = max(self.min_scale, st.scale * self.factor)
+        st.healthy_streak = 0
+        return old
+
+    def _spike_limit(self, st: BackoffState, norm: float) -> Optional[float]:
+        """The lowest limit ``norm`` exceeds (the fixed threshold, the z-score one), ``None`` when it is no spike;
+        ``norm`` enters the z-score window (a spike capped at the limit, once the window is full)."""
+        zlimit = self._zscore_limit(st)
+        is_spike = (self.spike_threshold is not None and norm > self.spike_threshold) or (
+            zlimit is not None and norm > zlimit
+        )
+        if self.spike_zscore is not None and (zlimit is not None or not is_spike):
+            st.window.append(norm if zlimit is None else min(norm, zlimit))
+            while len(st.window) > self.zscore_window:
+                st.window.popleft()
+        if not is_spike:
+            return None
+        return min(x for x in (self.spike_threshold, zlimit) if x is not None and norm > x)
+
+    def _clip(self, trainer: "pl.Trainer", params: list[Tensor], clip_norm: Tensor) -> None:
+        """Clip to ``max_norm`` by ``clip_norm`` (the node's norm under local SGD, in the measured norm's dtype:
+        float64 for float64 gradients, as ``clip_grad_norm_`` computes its coefficient)."""
+        # as clip_grad_norm_: scaled by max_norm / (norm + 1e-6) whenever that is below 1, so also a norm a hair
+        # under max_norm (a user's own clip to the same value first); clip_grads_ writes nothing otherwise
+        state = getattr(trainer.strategy, "training_state", None)  # HorizonStrategy: out-of-core streams
+        clip = state.clip if state is not None else clip_grads_
+        factor = clip(params, self.max_norm, clip_norm)
+        scale_error_feedback(trainer, params, factor)
 
     def _zscore_limit(self, st: BackoffState) -> Optional[float]:
         if self.spike_zscore is None or len(st.window) < self.zscore_window:

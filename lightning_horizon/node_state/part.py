@@ -47,7 +47,7 @@ class NodeState(Part):
         self.weights_mode = weights
         self.weights: Union[SharedParameters, BroadcastParameters] = (
             SharedParameters(module, groups.intra, groups.inter if self.topology.local_rank == 0 else None,
-                             self.topology.local_rank, self.topology.node_rank)
+                             self.topology.local_rank, self.topology.node_rank, training_state)
             if weights == "shared" else BroadcastParameters(module, self.buckets, groups.intra, self.topology)
         )
         self.training_state = training_state

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_horizon.memory.probe import fmt_bytes
+from lightning_horizon.state import TrainingState
 
 SHM_DIR = "/dev/shm"
 _ALIGN = 64  # bytes: every parameter starts on a cache line (and on its dtype's alignment)
@@ -31,8 +32,9 @@ class SharedParameters:
     (:meth:`uninstall`)."""
 
     def __init__(self, module: nn.Module, intra: Optional[dist.ProcessGroup], inter: Optional[dist.ProcessGroup],
-                 local_rank: int, node_rank: int) -> None:
+                 local_rank: int, node_rank: int, training_state: TrainingState) -> None:
         self.params = list(dict.fromkeys(module.parameters()))  # tied parameters once
+        self._state = training_state  # through which the parameters' storage moves in and out
         self._intra, self._inter = intra, inter
         self.local_rank, self.node_rank = local_rank, node_rank
         offsets, end = [], 0
@@ -69,7 +71,7 @@ class SharedParameters:
                     dist.broadcast(raw, src=0, group=self._inter)
         self._barrier()  # the weights are in place before any rank reads them
         for p, v in zip(self.params, views):
-            p.data = v  # same Parameter objects: optimizers, hooks and state_dict keys are untouched
+            self._state.rebind(p, v)  # same Parameter objects: optimizers, hooks and state_dict keys are untouched
         self._raw = raw
 
     def after_step(self) -> None:
@@ -81,8 +83,7 @@ class SharedParameters:
         if self._raw is None:
             return
         # no barrier: every optimizer step ended with one (after a failure, a peer may be gone)
-        for p in self.params:
-            p.data = p.data.clone()
+        self._state.own_memory(self.params)
         self._raw = None
 
     @staticmethod

@@ -35,15 +35,16 @@ class Bf16TruePolicy(Policy):
     # ------------------------------------------------------------------ setup
 
     def convert_module(self, module: Module) -> None:
-        for p in module.parameters():
-            if p.is_floating_point() and p.dtype != torch.bfloat16:
-                p.data = p.data.to(torch.bfloat16)  # .data keeps the Parameter objects (and any ties) intact
+        self.training_state.to_dtype(module.parameters(), torch.bfloat16)  # same Parameter objects, ties kept
 
     def connect(self, module: Module, optimizers: list[Optimizer], names: dict[Tensor, str]) -> None:
         super().connect(module, optimizers, names)
         if self.compute == "bf16":  # bf16 activations meet bf16 buffers (HalfPrecision does the same)
             for b in module.buffers():
                 if b.is_floating_point():
+                    # a buffer is module state, not a weight: no master, no store file, no shared copy, never
+                    # stepped or averaged, so not the training state's; ``.data`` keeps the buffer objects that DDP
+                    # listed at wrap time for its broadcasts
                     b.data = b.data.to(torch.bfloat16)
         else:
             self._slots = [(m, n) for m in module.modules() for n, p in m._parameters.items() if p is not None]

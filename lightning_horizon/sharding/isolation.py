@@ -101,7 +101,8 @@ class UserState:
         with torch.no_grad():
             for t, saved in self.tensors:
                 if t.shape != saved.shape or t.dtype != saved.dtype:
-                    t.data = saved  # resized or retyped in place: take the saved one whole
+                    # resized or retyped in place: take the saved one whole (an attribute: no parameter is saved)
+                    t.data = saved
                 elif not torch.equal(t, saved):
                     t.copy_(saved)
         for g, state in self.generators:

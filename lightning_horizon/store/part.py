@@ -70,7 +70,8 @@ class OutOfCore(Part):
         ``folder`` of this fit's own (store/folder.py)."""
         self._folder = FitFolder(folder, self.rank)
         self.folder = self._folder.path
-        self.store = StateStore(self.folder, plan_units(module), self.config.prefetch, self.config.readers)
+        self.store = StateStore(self.folder, plan_units(module), self.config.prefetch, self.config.readers,
+                                training_state=self.training_state)
         try:
             self.store.install()
         except BaseException:  # the part is not in the fit yet: no teardown will come for it

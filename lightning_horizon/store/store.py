@@ -1,9 +1,10 @@
 """StateStore: every per-parameter tensor of training in memory-mapped files, one file per (layer, kind).
 
-The kinds: ``weight`` (the module parameter itself: ``p.data`` becomes a view, so Parameter objects, hooks,
-optimizers and state_dict keys are untouched), ``grad``, ``master`` / ``master_grad`` (bf16-true with fp32
-masters), ``compensation`` (Kahan), and ``state.<key>.<dtype>`` (each per-element optimizer state tensor). A layer's
-file of one kind is created at that kind's first tensor, sized for all the layer's parameters, and carved in order.
+The kinds: ``weight`` (the module parameter itself: ``TrainingState.rebind`` makes its data a view, so Parameter
+objects, hooks, optimizers and state_dict keys are untouched), ``grad``, ``master`` / ``master_grad`` (bf16-true with
+fp32 masters), ``compensation`` (Kahan), and ``state.<key>.<dtype>`` (each per-element optimizer state tensor). A
+layer's file of one kind is created at that kind's first tensor, sized for all the layer's parameters, and carved in
+order.
 
 Values never change on the way in: a tensor placed in the store is copied into its view bit for bit, so a run
 with a store computes exactly what the same run in RAM computes. What the store changes is where the bytes are
@@ -35,6 +36,7 @@ from torch import Tensor
 from torch.autograd.graph import get_gradient_edge
 
 from lightning_horizon.precision.policy import per_element
+from lightning_horizon.state import TrainingState
 from lightning_horizon.store.files import READ_CHUNK, MappedFile, Reservation, before_compute, io_counters
 from lightning_horizon.store.sizes import GRAD, WEIGHT, file_bytes, pending, split, state_kind
 from lightning_horizon.store.units import Unit
@@ -45,8 +47,10 @@ log = logging.getLogger(__name__)
 class StateStore:
     """The store of one rank: files under ``folder``, the units, the reading and the writing thread."""
 
-    def __init__(self, folder: str, units: list[Unit], prefetch: str, readers: int = 1) -> None:
+    def __init__(self, folder: str, units: list[Unit], prefetch: str, readers: int = 1, *,
+                 training_state: TrainingState) -> None:
         self.folder = folder
+        self._state = training_state  # through which the parameters' storage moves in and out
         self.units = units
         self.prefetch_mode = prefetch
         self.unit_of: dict[int, Unit] = {id(p): u for u in units for p in u.params}
@@ -128,7 +132,7 @@ class StateStore:
         weights in forward and store the gradients in backward go on."""
         for u in self.units:
             for p in u.params:
-                p.data = self.place(p, WEIGHT, p.data)
+                self._state.rebind(p, self.place(p, WEIGHT, p.data))
             self.release(u)
             if u.module is not None:
                 self._hooks.append(u.module.register_forward_pre_hook(lambda m, a, u=u: self.before_forward(u)))
@@ -377,8 +381,7 @@ class StateStore:
         self.drain()
         self.pinned.clear()
         for u in self.units:
-            for p in u.params:
-                p.data = p.data.clone()
+            self._state.own_memory(u.params)
             for _, f in self._unit_files(u):
                 f.unmap()
         self.drain()

@@ -21,11 +21,16 @@ from contextlib import contextmanager
 from typing import Any, BinaryIO, Iterator, Optional, Union
 
 import torch
-from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
+from fsspec.utils import get_protocol
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
 _TMP_SUFFIX = ".horizon.tmp"
+
+
+def _is_local(path: Any) -> bool:
+    """A path on this machine's file system (``"file"`` protocol, as Lightning's own checkpoint IO decides it)."""
+    return get_protocol(str(path)) == "file"
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -33,7 +38,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
-        if storage_options is not None or not _is_local_file_protocol(path):
+        if storage_options is not None or not _is_local(path):
             super().save_checkpoint(checkpoint, path, storage_options)
             return
         with atomic_file(path) as f:
@@ -43,7 +48,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def load_checkpoint(
         self, path: Any, map_location: Optional[Any] = lambda storage, loc: storage, weights_only: Optional[bool] = None
     ) -> dict[str, Any]:
-        if not _is_local_file_protocol(path) or not os.path.isfile(path) or not zipfile.is_zipfile(path):
+        if not _is_local(path) or not os.path.isfile(path) or not zipfile.is_zipfile(path):
             return super().load_checkpoint(path, map_location, weights_only)  # remote, missing, or the legacy format
         return torch.load(path, map_location=map_location, weights_only=weights_only, mmap=True)
 

@@ -91,9 +91,9 @@ def isa() -> ISA:
     except Exception:  # an exotic build
         capability = "DEFAULT"
     avx512_bf16 = "avx512_bf16" in flags
-    if not flags:
-        probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
-        avx512_bf16 = bool(probe and probe())
+    if not flags:  # no /proc/cpuinfo: ask torch's cpuinfo probe (a torch without this public one: no claim)
+        capabilities = getattr(torch.cpu, "get_capabilities", None)
+        avx512_bf16 = bool(capabilities and capabilities().get("avx512_bf16", False))
     return ISA(
         avx2="avx2" in flags or capability.startswith("AVX"),
         avx512="avx512f" in flags or capability.startswith("AVX512"),

@@ -98,3 +98,13 @@ def test_load_memory_maps_the_file(tmp_path):
     legacy = tmp_path / "legacy.ckpt"
     torch.save(state, legacy, _use_new_zipfile_serialization=False)
     assert torch.equal(io.load_checkpoint(legacy)["w"], state["w"])
+
+
+def test_remote_path_goes_to_lightnings_own_io(tmp_path, monkeypatch):
+    """A path of another fsspec file system (``memory://`` here, ``s3://`` in practice) is written and read by
+    Lightning's TorchCheckpointIO, never taken for a local folder."""
+    monkeypatch.chdir(tmp_path)
+    io, url = AtomicCheckpointIO(), "memory://horizon-test/c.ckpt"
+    io.save_checkpoint({"w": torch.arange(4.0)}, url)
+    assert torch.equal(io.load_checkpoint(url)["w"], torch.arange(4.0))
+    assert list(tmp_path.iterdir()) == []  # no local "memory:" folder

@@ -1,3 +1,5 @@
+import pytest
+
 from lightning_horizon import cpu
 from lightning_horizon.precision import resolve_compute
 
@@ -30,6 +32,15 @@ def test_isa_is_consistent_with_torch(monkeypatch):
     if found.torch_capability.startswith("AVX512"):
         assert found.avx512
     assert found.name in ("AMX", "AVX512-BF16", "AVX-512", "AVX2", "baseline")
+
+
+def test_isa_without_proc_cpuinfo_asks_torchs_probe(monkeypatch):
+    """Where there is no /proc/cpuinfo, torch's cpuinfo probe tells AVX512-BF16: the answer the flags give here."""
+    flags = cpu.cpu_flags()
+    if not flags:
+        pytest.skip("no /proc/cpuinfo flags to compare with")
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset())
+    assert cpu.isa().avx512_bf16 == ("avx512_bf16" in flags)
 
 
 def test_onednn_isa_cap_below_bf16_means_no_native_bf16(monkeypatch):

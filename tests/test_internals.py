@@ -63,27 +63,28 @@ def test_module_parameters_dict_swap_keeps_state_dict_keys():
     assert all(p.grad is not None and p.grad.dtype == torch.bfloat16 for p in lin.parameters())
 
 
-def test_ddp_reducer_bucket_rebuild_calls():
-    """The bucket layout saved for exact restarts reads DDP's reducer: ``_rebuild_buckets`` and
-    ``_get_zeros_like_grad_buckets``."""
-    reducer = torch._C._distributed_c10d.Reducer
-    assert callable(getattr(reducer, "_rebuild_buckets")) and callable(getattr(reducer, "_get_zeros_like_grad_buckets"))
-
-
 def test_fake_tensor_and_dispatch_internals_of_the_sharding_profile():
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
     from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-    assert issubclass(FakeTensor, torch.Tensor) and callable(_disable_current_modes)
     assert inspect.isclass(TorchDispatchMode) and "allow_non_fake_inputs" in inspect.signature(FakeTensorMode).parameters
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        assert isinstance(torch.zeros(2), FakeTensor)
+        with _disable_current_modes():  # a real copy made inside the fake profile
+            assert not isinstance(torch.zeros(2), FakeTensor)
     aten = torch.ops.aten
     assert aten._local_scalar_dense.default._schema.name == "aten::_local_scalar_dense"
+    assert aten.add_.Tensor._schema.is_mutable and not aten.add.Tensor._schema.is_mutable
+    assert {aten._unique.default.name(), aten._unique2.default.name()} == {"aten::_unique", "aten::_unique2"}
     # storages and generators compared by identity
     t = torch.zeros(2)
     assert t.untyped_storage()._cdata == t[1:].untyped_storage()._cdata
     assert isinstance(torch.default_generator._cdata, int)
+    assert torch.Generator()._cdata != torch.default_generator._cdata
     m = torch.nn.BatchNorm1d(2)
-    assert isinstance(m._buffers, dict) and isinstance(m._non_persistent_buffers_set, set)
+    m.register_buffer("mask", None)
+    m.register_buffer("cache", torch.zeros(1), persistent=False)
+    assert m._buffers["mask"] is None and "mask" in m._buffers and m._non_persistent_buffers_set == {"cache"}
 
 
 def test_distributed_is_available():
@@ -106,3 +107,246 @@ def test_will_engine_execute_node_tells_which_parameters_get_a_gradient():
     y.register_hook(hook)
     y.sum().backward()
     assert seen == {"used": True, "unused": False}
+
+
+# ---------------------------------------------------------------------------------------- Lightning's DDPStrategy
+
+
+def test_ddp_strategy_keeps_its_arguments_under_private_names():
+    """HorizonStrategy reads what DDPStrategy was given: the DDP kwargs (``find_unused_parameters``), the user's comm
+    hook, state and wrapper (registered by us, Lightning drops them on CPU), the backend and the collective timeout."""
+    from datetime import timedelta
+
+    from lightning.pytorch.strategies import DDPStrategy
+
+    hook, state, wrapper = (lambda s, b: None), object(), (lambda h: h)
+    s = DDPStrategy(ddp_comm_hook=hook, ddp_comm_state=state, ddp_comm_wrapper=wrapper, process_group_backend="gloo",
+                    timeout=timedelta(seconds=7), find_unused_parameters=True)
+    assert s._ddp_comm_hook is hook and s._ddp_comm_state is state and s._ddp_comm_wrapper is wrapper
+    assert s._ddp_kwargs == {"find_unused_parameters": True}
+    assert s._timeout == timedelta(seconds=7)
+    assert s._process_group_backend == "gloo" == s.process_group_backend
+
+
+def test_ddp_strategy_calls_the_private_hooks_we_override():
+    """HorizonStrategy overrides ``_configure_launcher`` (Trainer construction: checks before any process starts),
+    ``_setup_model`` then ``_register_ddp_hooks`` (``configure_ddp``: no DDP wrapper on one process or when
+    node-sharded, our comm hooks on CPU) and ``_get_process_group_backend`` (``setup_distributed`` stores its answer
+    in ``_process_group_backend``, read for the startup table)."""
+    from datetime import timedelta
+
+    import lightning as L
+    from lightning.fabric.plugins.environments import LightningEnvironment
+    from lightning.pytorch.demos.boring_classes import BoringModel
+    from lightning.pytorch.strategies import DDPStrategy
+
+    calls = []
+
+    class Recording(DDPStrategy):
+        def _configure_launcher(self):
+            calls.append("launcher")
+            super()._configure_launcher()
+
+        def _setup_model(self, model):
+            calls.append("setup_model")
+            return model
+
+        def _register_ddp_hooks(self):
+            calls.append("ddp_hooks")
+
+        def _get_process_group_backend(self):
+            calls.append("backend")
+            return "gloo"
+
+    L.Trainer(accelerator="cpu", devices=1, strategy=Recording(), logger=False, enable_checkpointing=False,
+              enable_model_summary=False, enable_progress_bar=False)
+    assert calls == ["launcher"]
+    s, model = Recording(), BoringModel()
+    s.model = model
+    s.configure_ddp()
+    assert calls == ["launcher", "setup_model", "ddp_hooks"] and s.model is model
+    # a world of one in this process (destroyed by conftest): Lightning's own init then keeps it
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=30))
+    s = Recording(cluster_environment=LightningEnvironment(), parallel_devices=[torch.device("cpu")])
+    s.setup_distributed()
+    assert calls[-1] == "backend" and s._process_group_backend == "gloo"
+
+
+def test_augment_message_rewrites_the_reducer_error():
+    """``on_exception`` names our ``find_unused_parameters`` switch in DDP's reducer error, as DDPStrategy does."""
+    from lightning.pytorch.utilities.exceptions import _augment_message
+
+    from lightning_horizon.unused import REDUCER_ERROR, UNUSED_PARAMETERS
+
+    err = RuntimeError("Expected to have finished reduction in the prior iteration before starting a new one.", 3)
+    _augment_message(err, pattern=REDUCER_ERROR, new_message=UNUSED_PARAMETERS)
+    assert err.args == (UNUSED_PARAMETERS, 3)
+
+
+# ---------------------------------------------------------------------------------------- Lightning, other parts
+
+
+def test_precision_after_closure_runs_the_step_callbacks_and_clipping():
+    """HorizonPrecision overrides ``Precision._after_closure`` to measure the fp32 norm after backward and before
+    the callbacks; Lightning calls it from ``optimizer_step`` after the closure, and its own one runs
+    ``on_before_optimizer_step`` and the Trainer's ``gradient_clip_val``."""
+    import lightning as L
+    from lightning.pytorch.demos.boring_classes import BoringModel
+    from lightning.pytorch.plugins.precision import Precision
+
+    calls = []
+
+    class Hook(L.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            calls.append("on_before_optimizer_step")
+
+    class Recording(Precision):
+        def _after_closure(self, model, optimizer):
+            calls.append("after_closure")
+            super()._after_closure(model, optimizer)
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, callbacks=[Hook()], gradient_clip_val=1e-3, logger=False,
+                        enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False)
+    model, precision = BoringModel(), Recording()
+    model.trainer = trainer
+    trainer.strategy.connect(model)
+    trainer.strategy.precision_plugin = precision
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    model(torch.ones(2, 32)).sum().mul(1e3).backward()
+    precision.optimizer_step(opt, model, lambda: calls.append("closure"))
+    assert calls == ["closure", "after_closure", "on_before_optimizer_step"]
+    norm = torch.cat([p.grad.flatten() for p in model.parameters()]).norm()
+    assert torch.allclose(norm, torch.tensor(1e-3))
+
+
+def test_precision_clip_methods_are_looked_up_on_the_instance():
+    """node_state/clipping.py sets ``clip_grad_by_norm`` / ``clip_grad_by_value`` on the plugin instance:
+    ``Precision.clip_gradients`` (Trainer's ``gradient_clip_val``, ``self.clip_gradients``) must find them there."""
+    from lightning.pytorch.plugins.precision import Precision
+    from lightning.pytorch.utilities import GradClipAlgorithmType
+
+    p, seen = Precision(), []
+    p.clip_grad_by_norm = lambda opt, val: seen.append(("norm", val))
+    p.clip_grad_by_value = lambda opt, val: seen.append(("value", val))
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    p.clip_gradients(opt, 0.5, GradClipAlgorithmType.NORM)
+    p.clip_gradients(opt, 0.25, GradClipAlgorithmType.VALUE)
+    assert seen == [("norm", 0.5), ("value", 0.25)]
+
+
+def test_lightning_module_trainer_attribute():
+    """The strategy, its checkpoint part and the sharder (plain modules too) ask ``module._trainer``: ``None`` while
+    detached, where the public ``trainer`` property raises."""
+    import lightning as L
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    model = BoringModel()
+    assert model._trainer is None
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_model_summary=False, enable_progress_bar=False)
+    model.trainer = trainer
+    assert model._trainer is trainer
+
+
+def test_callback_state_key_format():
+    """GradNormBackoff's ``state_key`` is ``Callback._generate_state_key``: checkpoints saved with it keep their key."""
+    import lightning as L
+
+    class Backoff(L.Callback):
+        pass
+
+    key = Backoff()._generate_state_key(max_norm=1.0)
+    assert key == "test_callback_state_key_format.<locals>.Backoff{'max_norm': 1.0}"
+
+
+def test_progress_bar_metrics_is_the_dict_the_bar_shows():
+    """ThroughputMFUMonitor writes ``tok/s`` as an int into ``trainer.progress_bar_metrics``: the bar shows it."""
+    import lightning as L
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_model_summary=False)
+    trainer.progress_bar_metrics["tok/s"] = 4290
+    shown = trainer.progress_bar_callback.get_metrics(trainer, BoringModel())
+    assert shown["tok/s"] == 4290 and isinstance(shown["tok/s"], int)
+
+
+# ---------------------------------------------------------------------------------------- torch
+
+
+def test_global_optimizer_step_hook_dicts():
+    """The store refuses to step in backward when a global step pre-hook exists, and a step in parts (optim.py) lets
+    the global hooks fire once: torch keeps them in these dicts, read at every step."""
+    from torch.optim import optimizer as o
+
+    for hooks, register in ((o._global_optimizer_pre_hooks, o.register_optimizer_step_pre_hook),
+                            (o._global_optimizer_post_hooks, o.register_optimizer_step_post_hook)):
+        before = len(hooks)
+        calls = []
+        handle = register(lambda *a: calls.append(1))
+        assert len(hooks) == before + 1
+        saved = dict(hooks)
+        hooks.clear()  # emptied in place, as step_in_parts does between the first and the last part
+        p = torch.nn.Parameter(torch.ones(1))
+        p.grad = torch.ones(1)
+        torch.optim.SGD([p], lr=0.1).step()
+        assert calls == []
+        hooks.update(saved)
+        torch.optim.SGD([p], lr=0.1).step()
+        assert calls == [1]
+        handle.remove()
+        assert len(hooks) == before
+
+
+def test_optimizer_hook_dicts_a_copy_starts_afresh():
+    """memory/optimizer_state.py copies an optimizer without its hooks: every hook dict torch keeps on an instance is
+    named in the list it leaves out, and ``__setstate__`` makes each anew."""
+    from lightning_horizon.memory.optimizer_state import _FRESH
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    hook_dicts = {k for k, v in vars(opt).items() if k.endswith("_hooks") and isinstance(v, dict)}
+    assert len(hook_dicts) == 6 and hook_dicts <= set(_FRESH)
+    clone = torch.optim.SGD.__new__(torch.optim.SGD)
+    clone.__setstate__({"defaults": opt.defaults, "state": {}, "param_groups": opt.param_groups})
+    assert all(getattr(clone, k) == {} for k in hook_dicts)
+
+
+def test_tensor_backward_hooks_attribute():
+    """wire.py leaves a tensor with hooks to pickle: ``register_hook`` keeps them in ``Tensor._backward_hooks``."""
+    t = torch.zeros(2, requires_grad=True)
+    assert not t._backward_hooks
+    t.register_hook(lambda g: g)
+    assert len(t._backward_hooks) == 1
+
+
+def test_ddp_reducer_rebuilds_its_buckets_after_the_first_backward():
+    """The bucket layout saved for exact restarts (collectives/sync.py): after the first backward
+    ``Reducer._rebuild_buckets()`` rebuilds (True, then False), and ``_get_zeros_like_grad_buckets()`` gives the
+    rebuilt buckets, whose buffers hold every gradient."""
+    from datetime import timedelta
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=30))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 64), torch.nn.Linear(64, 64), torch.nn.Linear(64, 2))
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01)
+    ddp(torch.ones(3, 4)).sum().backward()
+    assert ddp.reducer._rebuild_buckets() is True and ddp.reducer._rebuild_buckets() is False
+    sizes = [b.buffer().numel() for b in ddp.reducer._get_zeros_like_grad_buckets()]
+    assert len(sizes) > 1 and sum(sizes) == sum(p.numel() for p in model.parameters())
+
+
+def test_activation_checkpoint_wrapper_of_the_sharding_benchmark():
+    """recipes/bench_sharding.py compares with torch's per-block wrapper: each block becomes a wrapper module whose
+    parameter names carry its prefix (why the sharder patches ``forward`` instead)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    wrap = lambda m: checkpoint_wrapper(m, checkpoint_impl=CheckpointImpl.NO_REENTRANT)  # noqa: E731
+    apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrap, check_fn=lambda m: isinstance(m, torch.nn.Linear))
+    assert type(model[0]).__name__ == "CheckpointWrapper"
+    assert [n for n, _ in model.named_parameters()] == ["0._checkpoint_wrapped_module.weight",
+                                                         "0._checkpoint_wrapped_module.bias"]

@@ -14,6 +14,7 @@ from typing import Iterator
 
 import pytest
 import torch
+import torch.optim.optimizer as optimizer_hooks
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -377,21 +378,36 @@ def test_all_grads_none_in_callback_makes_the_step_a_no_op(name):
 
 
 class CountHooks(Callback):
+    """Counts the optimizer's step hooks and torch's global ones (``register_optimizer_step_pre_hook``)."""
+
     def on_fit_start(self, trainer, pl_module):
-        self.calls = {"pre": 0, "post": 0}
+        self.calls = {"pre": 0, "post": 0, "global pre": 0, "global post": 0}
         opt = trainer.optimizers[0]
-        opt.register_step_pre_hook(lambda *a: self.calls.__setitem__("pre", self.calls["pre"] + 1))
-        opt.register_step_post_hook(lambda *a: self.calls.__setitem__("post", self.calls["post"] + 1))
+        opt.register_step_pre_hook(lambda *a: self.count("pre"))
+        opt.register_step_post_hook(lambda *a: self.count("post"))
+        self.handles = [optimizer_hooks.register_optimizer_step_pre_hook(lambda *a: self.count("global pre")),
+                        optimizer_hooks.register_optimizer_step_post_hook(lambda *a: self.count("global post"))]
+
+    def count(self, key: str) -> None:
+        self.calls[key] += 1
+
+    def remove(self) -> None:
+        for h in getattr(self, "handles", []):
+            h.remove()
 
 
 def test_chunked_kahan_step_is_identical_and_runs_hooks_once():
     models, hooks = [], []
     for chunk in (1 << 22, 100):  # one call vs. several chunks (the tied embedding alone is 1024 elements)
         model, count = TinyLM(), CountHooks()
-        trainer(HorizonPrecision("bf16-true", step_chunk_numel=chunk), steps=6, callbacks=[count]).fit(model, loader())
+        try:
+            trainer(HorizonPrecision("bf16-true", step_chunk_numel=chunk), steps=6, callbacks=[count]).fit(model,
+                                                                                                         loader())
+        finally:
+            count.remove()
         models.append(model)
         hooks.append(count.calls)
-    assert hooks == [{"pre": 6, "post": 6}] * 2
+    assert hooks == [{"pre": 6, "post": 6, "global pre": 6, "global post": 6}] * 2
     for a, b in zip(models[0].state_dict().values(), models[1].state_dict().values()):
         assert torch.equal(a, b)
 

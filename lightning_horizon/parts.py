@@ -23,6 +23,7 @@ Lifecycle, as HorizonStrategy drives it:
   all of its optimizer steps.
 - ``before_save(model)``: on every rank before a checkpoint is written (collective work such as settling DDP's
   bucket layout happens here, on all ranks alike).
+- ``comm_metrics()``: the last step's communication figures (``strategy.comm_metrics()`` merges every part's).
 - ``state_dict()`` / ``load_state_dict(state)``: the part's per-rank state.
 - ``teardown()``: the end of the fit; the module leaves as it came in.
 """
@@ -55,6 +56,8 @@ class PartProtocol(Protocol):
     def after_optimizer_step(self) -> None: ...
 
     def before_save(self, model: nn.Module) -> None: ...
+
+    def comm_metrics(self) -> dict[str, float]: ...
 
     def state_dict(self) -> dict[str, Any]: ...
 
@@ -96,6 +99,9 @@ class Part:
     def before_save(self, model: nn.Module) -> None:
         pass
 
+    def comm_metrics(self) -> dict[str, float]:
+        return {}
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 
@@ -104,6 +110,11 @@ class Part:
 
     def teardown(self) -> None:
         pass
+
+
+def part(name: str, doc: str) -> property:
+    """A read-only attribute of the strategy: its part ``name`` while it has one, else ``None``."""
+    return property(lambda strategy: strategy.parts.get(name), doc=doc)
 
 
 class Parts:
@@ -186,6 +197,9 @@ class Parts:
         for part in self:
             part.teardown()
 
+    def comm_metrics(self) -> dict[str, float]:
+        return {k: v for part in self for k, v in part.comm_metrics().items()}
+
     # ------------------------------------------------------------------ state
 
     def state_dicts(self) -> dict[str, Any]:
@@ -201,6 +215,6 @@ class Parts:
 
 _HOOKS = ("connect", "after_setup", "before_training_step", "after_training_step", "pre_backward", "post_backward",
           "gradients_ready", "optimizer_stepped",
-          "after_optimizer_step", "before_save", "state_dict", "load_state_dict", "teardown")
+          "after_optimizer_step", "before_save", "comm_metrics", "state_dict", "load_state_dict", "teardown")
 
-__all__ = ["Part", "PartProtocol", "Parts"]
+__all__ = ["part", "Part", "PartProtocol", "Parts"]

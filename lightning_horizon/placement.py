@@ -1,8 +1,9 @@
-"""Where each rank runs: its cores and threads (pinned at setup), every rank's row gathered, and the startup table
-rank 0 prints (topology, cores, threads, ISA, backend, allocator)."""
+"""Where each rank runs: its topology and process groups, its cores and threads (pinned at setup), every rank's row
+gathered, and the startup table rank 0 prints (topology, cores, threads, ISA, backend, allocator)."""
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 from typing import Any
@@ -10,7 +11,7 @@ from typing import Any
 import torch.distributed as dist
 
 from lightning_horizon import cpu, liveness
-from lightning_horizon.topology import Topology, placement_table
+from lightning_horizon.topology import ProcessGroups, Topology, placement_table
 
 log = logging.getLogger("lightning_horizon.strategy")
 
@@ -29,6 +30,32 @@ def place(topology: Topology, local_rank: int, ranks_here: int, pin: bool, threa
     row = {"rank": topology.rank, "node": topology.node_rank, "local_rank": topology.local_rank,
            **cpu.place(local_rank, ranks_here, pin, threads), "host": liveness.host(), "pid": os.getpid()}
     return all_gather_objects(row)
+
+
+def start(options: Any, world_size: int, rank: int, local_rank: int, ranks_here: int, device: Any, backend: Any,
+          report_here: bool) -> tuple[Topology, ProcessGroups, list[dict[str, Any]]]:
+    """This rank's topology and process groups, its cores and threads pinned (``options.pin_cores`` on CPU), every
+    rank's row; rank 0 reports when ``report_here`` (collective)."""
+    topology = Topology(world_size=world_size, rank=rank, ranks_per_node=options.ranks_per_node or ranks_here)
+    groups = ProcessGroups(topology)
+    rows = place(topology, local_rank, ranks_here, options.pin_cores and device.type == "cpu",
+                 options.threads_per_rank)
+    if report_here:
+        report(topology, rows, backend, ranks_here)
+    return topology, groups, rows
+
+
+def destroy_process_group_at_exit() -> None:
+    """Lightning leaves the process group up for later fits; torch 2.13's gloo group, destroyed during interpreter
+    shutdown, can abort the process (exit -6) after a successful run: destroy it while Python is still whole (once
+    per process, however many fits)."""
+    atexit.unregister(_destroy_process_group)
+    atexit.register(_destroy_process_group)
+
+
+def _destroy_process_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def startup_table(topology: Topology, placement: list[dict[str, Any]], backend: Any) -> str:
@@ -51,4 +78,4 @@ def report(topology: Topology, placement: list[dict[str, Any]], backend: Any, ra
     log.info(startup_table(topology, placement, backend))
 
 
-__all__ = ["all_gather_objects", "place", "report", "startup_table"]
+__all__ = ["all_gather_objects", "destroy_process_group_at_exit", "place", "report", "start", "startup_table"]

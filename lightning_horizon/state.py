@@ -71,6 +71,13 @@ class TrainingState:
         self._masters[param] = master
         self._param_of[master] = param
 
+    def take_registrations(self, other: "TrainingState") -> None:
+        """Take over ``other``'s masters and compensations (the same tensors): a precision plugin that meets a new
+        strategy keeps the true weights of its earlier fit."""
+        self._masters.update(other._masters)
+        self._compensation.update(other._compensation)
+        self._param_of.update(other._param_of)
+
     def register_compensation(self, param: Tensor, compensation: Tensor) -> None:
         self._masters.pop(param, None)
         self._compensation[param] = self.place(param, "compensation", compensation)

@@ -76,7 +76,8 @@ def check_arguments(
     named: set[str],
 ) -> float:
     """Raise ValueError for the first bad argument; return the timeout in seconds. ``named``: the strategy's own
-    parameter names (never extra keywords); ``collectives_changed``: the collectives options away from their defaults, as arguments."""
+    parameter names (never extra keywords); ``collectives_changed``: the collectives options away from their
+    defaults, as arguments."""
     check_ranks_per_node(ranks_per_node)
     if kwargs.get("ddp_comm_hook") is not None and collectives_changed:
         raise ValueError(
@@ -147,5 +148,26 @@ def check_state(
                          " replaces DDP's; use state='replicated' for a hook of your own")
 
 
+def check_world(options: Any, world: int, ranks_here: int, backend: Any, device: torch.device) -> None:
+    """What the world size decides, checked before the launcher starts any process: ``ranks_per_node`` divides it,
+    the backend reduces ``device``'s tensors, the torus grid fits."""
+    check_ranks_per_node(options.ranks_per_node, world)
+    check_backend_device(backend, device)
+    options.collectives.grid_shape(world, options.ranks_per_node or ranks_here)
+
+
+def register_names(cls: type, registry: Any) -> None:
+    """DDPStrategy's names for ``cls``: "horizon", "horizon_spawn", "horizon_fork", each also with
+    "_find_unused_parameters_true" (as "ddp_find_unused_parameters_true"); registering twice is harmless."""
+    entries = [(f"{name}{suffix}", method, unused) for name, method in
+               (("horizon", "popen"), ("horizon_spawn", "spawn"), ("horizon_fork", "fork"))
+               for suffix, unused in (("", False), ("_find_unused_parameters_true", True))]
+    for name, start_method, unused in entries:
+        if name not in registry:  # re-importing the package must not fail
+            registry.register(name, cls, description=f"HorizonStrategy with start_method={start_method!r}"
+                              f"{', find_unused_parameters=True' if unused else ''}", start_method=start_method,
+                              **({"find_unused_parameters": True} if unused else {}))
+
+
 __all__ = ["BACKENDS", "STATES", "check_state", "START_METHODS", "ccl_available", "check_arguments", "check_backend",
-           "check_backend_device", "check_ddp_kwargs"]
+           "check_backend_device", "check_ddp_kwargs", "check_world", "register_names"]

@@ -60,7 +60,7 @@ def test_a_part_implements_the_contract():
             return {}
 
     missing = ("connect, after_setup, before_training_step, after_training_step, pre_backward, post_backward,"
-               " gradients_ready, optimizer_stepped, after_optimizer_step, before_save, load_state_dict, teardown")
+               " gradients_ready, optimizer_stepped, after_optimizer_step, before_save, comm_metrics, load_state_dict, teardown")
     with pytest.raises(TypeError, match=rf"part 'x'=Incomplete: .*missing {missing} .*lightning_horizon.parts.Part"):
         Parts().add("x", Incomplete())
 

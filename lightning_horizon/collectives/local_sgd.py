@@ -34,13 +34,13 @@ class PeriodicSync:
         params: list[torch.Tensor],
         row: Comm,
         col: Comm,
-        state: Optional[TrainingState] = None,
+        state: TrainingState,
     ) -> None:
         self.every, self.warmup_steps = every, warmup_steps
         self.params = params
         #: the owner of the true weights: the average is taken over them (fp32 masters, bf16 + compensation),
         #: not over the module's rounded parameters
-        self.state = state if state is not None else TrainingState()
+        self.state = state
         self.row, self.col = row, col
         #: optimizer steps taken after a gradient reduction (checkpointed: the warm-up and phase survive a resume)
         self.step = 0

@@ -45,7 +45,7 @@ class GradientSync(Part):
         config: CollectivesConfig,
         groups: ProcessGroups,
         module: torch.nn.Module,
-        state: Optional[TrainingState] = None,
+        state: TrainingState,
     ) -> None:
         self.config = config
         topo = self.topology = groups.topology
@@ -202,7 +202,7 @@ class GradientSync(Part):
                 f" {last.inter_bytes / 2**20:.2f} MiB inter-node, {last.seconds * 1e3:.1f} ms in {last.calls} calls"
             )
 
-    def metrics(self) -> dict[str, float]:
+    def comm_metrics(self) -> dict[str, float]:
         """The last step's bytes per link class and communication time (for monitor callbacks and loggers)."""
         out = self.accounting.metrics()
         if self.periodic is not None:

@@ -121,7 +121,7 @@ class NodeState(Part):
         """The owners' updates reach every rank of the node before any of them reads the weights again."""
         self.weights.after_step()
 
-    def metrics(self) -> dict[str, float]:
+    def comm_metrics(self) -> dict[str, float]:
         r = self.reducer
         if r is None:
             return {}

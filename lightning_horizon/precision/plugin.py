@@ -83,7 +83,8 @@ class HorizonPrecision(Precision):
         #: ``on_before_optimizer_step`` callbacks, and again (pre-clip) when Lightning clips by norm.
         self.last_grad_norm: Optional[Tensor] = None
         #: the owner of the true weights: the fp32 masters or Kahan compensations are registered there, and
-        #: whoever reads, writes or averages weights (local SGD, checkpoints) goes through it
+        #: whoever reads, writes or averages weights (local SGD, checkpoints) goes through it. HorizonStrategy hands
+        #: its own (:meth:`use_training_state`); under another strategy the plugin keeps this one.
         self.training_state = TrainingState()
         self._policy = choose_policy(self.mode, self.master, self.training_state, state_rounding,
                                      step_chunk_numel, seed)
@@ -112,6 +113,13 @@ class HorizonPrecision(Precision):
         return f"HorizonPrecision(mode={self.mode!r}): {self._policy.describe()}; {self.reason}"
 
     # ------------------------------------------------------------------ setup
+
+    def use_training_state(self, state: TrainingState) -> None:
+        """Register the true weights in ``state`` from now on (the strategy's, which every part reads); the masters
+        and compensations an earlier fit registered move there with their values."""
+        if state is not self.training_state:
+            state.take_registrations(self.training_state)
+            self.training_state = self._policy.training_state = state
 
     @override
     def convert_module(self, module: Module) -> Module:

@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_horizon.collectives import CollectivesConfig, CostModel, GradientSync
 from lightning_horizon.topology import ProcessGroups, Topology
+from lightning_horizon.state import TrainingState
 
 WORLD, PER_NODE = 4, 2
 ITERS = 40  # parity iterations (DDP rebuilds its buckets after the first)
@@ -61,7 +62,7 @@ def wrap(model: torch.nn.Module, groups: ProcessGroups, bucket_mb: float, **cfg)
     ddp = DDP(model, bucket_cap_mb=bucket_mb)
     if not cfg:
         return ddp, None
-    sync = GradientSync(CollectivesConfig(**cfg), groups, model)
+    sync = GradientSync(CollectivesConfig(**cfg), groups, model, TrainingState())
     ddp.register_comm_hook(sync, sync.hook)
     return ddp, sync
 
@@ -282,7 +283,8 @@ def check_local_sgd(checks: dict, groups: ProcessGroups) -> None:
         f"after the averages at steps {list(mean_err)} (expected [7, 11, 15]): max |w - float64 mean of the nodes'"
         f" weights before| / fp32 rounding bound {mean_err} (allowed 1); the nodes differed by up to {spread} before",
     )
-    fresh = GradientSync(CollectivesConfig("hierarchical", sync_every=4, sync_warmup_steps=3), groups, equal_model())
+    fresh = GradientSync(CollectivesConfig("hierarchical", sync_every=4, sync_warmup_steps=3), groups, equal_model(),
+                         TrainingState())
     fresh.load_state_dict(saved)
     checks["local_sgd_state"] = result(
         {k: v for k, v in saved.items() if k != "layout"}  # the bucket layout: tests/test_reliability.py

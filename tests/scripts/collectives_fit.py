@@ -72,7 +72,7 @@ class Observe(L.Callback):
         part = getattr(trainer.strategy, "gradient_sync", None)
         if part is not None:
             self.info["state_at_end"] = summarize(part.state_dict())
-            self.info["metrics"] = part.metrics()
+            self.info["metrics"] = part.comm_metrics()
 
 
 class Norms(L.Callback):

@@ -108,6 +108,12 @@ class HorizonPrecision(Precision):
         return self._policy.precision
 
     @property
+    def steps_itself(self) -> bool:
+        """Whether the optimizer step is this plugin's own (bf16-true: the masters or the Kahan proxies step, the
+        bf16 weights follow) rather than the optimizer's plain ``step``."""
+        return self._policy.owns_step
+
+    @property
     def policy(self) -> str:
         """The dtype policy in one line (logged once at setup on rank zero)."""
         return f"HorizonPrecision(mode={self.mode!r}): {self._policy.describe()}; {self.reason}"

@@ -27,6 +27,7 @@ from torch import Tensor
 from torch.optim import LBFGS, Optimizer
 from torch.optim.optimizer import _global_optimizer_pre_hooks
 
+from lightning_horizon.precision import HorizonPrecision
 from lightning_horizon.optim import ParamSlice, step_in_parts, torch_optimizer
 from lightning_horizon.state import TrainingState
 from lightning_horizon.store.store import StateStore
@@ -162,7 +163,7 @@ def backward_step_conflicts(trainer: Any, optimizers: list[Any], precision: Any)
         out.append("manual optimization")
     if trainer.gradient_clip_val:
         out.append(f"Trainer(gradient_clip_val={trainer.gradient_clip_val})")
-    if getattr(getattr(precision, "_policy", None), "owns_step", False):
+    if isinstance(precision, HorizonPrecision) and precision.steps_itself:
         out.append(f"{type(precision).__name__}(mode={precision.mode!r}, master={precision.master!r}) (its own step)")
     if getattr(precision, "backend", "native") != "native":
         out.append(f"{type(precision).__name__}(backend={precision.backend!r})")

@@ -1,8 +1,9 @@
 """Installs a ShardPlan: the planned module calls run under non-reentrant activation checkpointing.
 
 Each planned module gets an instance attribute ``forward`` that wraps the original one. Nothing else on the
-module changes, so ``state_dict`` keys, parameters (tied ones included), hooks and ``isinstance`` all stay as
-they were; torch's checkpoint *wrapper* modules, by contrast, add ``_checkpoint_wrapped_module.`` to every key.
+module changes, so parameter names, ``state_dict`` keys, parameters (tied ones included), hooks and ``isinstance``
+all stay as they were; torch's checkpoint *wrapper* module, by contrast, changes the module's type and adds
+``_checkpoint_wrapped_module.`` to every parameter name (its ``state_dict`` strips it again, torch 2.13).
 
 - Non-reentrant ``torch.utils.checkpoint`` with ``preserve_rng_state=True``: a recompute replays the CPU RNG,
   so dropout masks are the same bits, and it restores the autocast state; its determinism check raises if a

@@ -150,10 +150,18 @@ def check_state(
 
 def check_world(options: Any, world: int, ranks_here: int, backend: Any, device: torch.device) -> None:
     """What the world size decides, checked before the launcher starts any process: ``ranks_per_node`` divides it,
-    the backend reduces ``device``'s tensors, the torus grid fits."""
+    the backend reduces ``device``'s tensors, the torus grid fits and, with compression, has a stage to compress."""
     check_ranks_per_node(options.ranks_per_node, world)
     check_backend_device(backend, device)
-    options.collectives.grid_shape(world, options.ranks_per_node or ranks_here)
+    per_node = options.ranks_per_node or ranks_here
+    c = options.collectives
+    x, y = c.grid_shape(world, per_node)
+    if c.algorithm == "torus2d" and c.compression is not None and y == 1 and x > per_node:
+        # only the column stage is compressed; one row that spans nodes sends every byte across them uncompressed
+        raise ValueError(f"{OWNER}(collectives='torus2d', torus_shape={c.torus_shape!r}, compression="
+                         f"{c.compression!r}): a grid of one row spanning {x // per_node} nodes has no column stage,"
+                         " the only one compressed, so nothing would be; use a torus_shape with Y > 1, or"
+                         " collectives='hierarchical'")
 
 
 def register_names(cls: type, registry: Any) -> None:

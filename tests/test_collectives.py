@@ -70,6 +70,9 @@ def test_torus_shape_must_match_world_size():
         ({"compression": "int4"}, "compression='int4'"),
         ({"sync_every": 0}, "sync_every=0"),
         ({"collectives": "torus2d", "torus_shape": (3, 1)}, "torus_shape=(3, 1)"),  # world size 4: at Trainer()
+        # 2 emulated nodes x 2: one row of 4 spans both nodes, no column stage to compress
+        ({"collectives": "torus2d", "torus_shape": (4, 1), "compression": "int8", "ranks_per_node": 2},
+         "a grid of one row spanning 2 nodes has no column stage, the only one compressed"),
         ({"collectives": "hierarchical", "ddp_comm_hook": lambda s, b: None}, "ddp_comm_hook="),
         # the clash names the option the user gave, not the collectives default
         ({"compression": "int8", "ddp_comm_hook": lambda s, b: None}, "with compression='int8': give either"),
@@ -79,6 +82,12 @@ def test_strategy_rejects_bad_collectives_before_any_process(kwargs, needle):
     with pytest.raises(ValueError) as err:
         L.Trainer(accelerator="cpu", devices=4, strategy=HorizonStrategy(**kwargs), logger=False)
     assert needle in str(err.value)
+
+
+def test_a_torus_row_within_one_node_or_with_columns_compresses_and_is_accepted():
+    for shape, per_node in (((4, 1), 4), ((2, 2), 2), ((1, 4), 2)):  # one node; columns across nodes
+        L.Trainer(accelerator="cpu", devices=4, logger=False, strategy=HorizonStrategy(
+            collectives="torus2d", torus_shape=shape, compression="int8", ranks_per_node=per_node))
 
 
 # ---------------------------------------------------------------------- cost model

@@ -18,6 +18,7 @@ import os
 import shutil
 
 import pytest
+import lightning.pytorch as L
 
 from tests.differential.compare import signature
 from tests.differential.plan import plan
@@ -132,7 +133,7 @@ def test_shrinker_reduces_a_synthetic_failure_to_its_cause():
 @pytest.mark.parametrize("index", [i for i, r in enumerate(REFUSED) if r[3] == "construction"],
                          ids=lambda i: REFUSED[i][0])
 def test_construction_refusal_names_both_options(index):
-    """In this process, as the fit script constructs it: no ranks needed."""
+    """In this process, as the fit script constructs the strategy and the Trainer: no ranks needed."""
     from tests.differential.plan import spec
     from tests.scripts.differential_fit import strategy_of
 
@@ -140,7 +141,7 @@ def test_construction_refusal_names_both_options(index):
     name, phrases, at = refusal(ex)
     assert (name, at) == (REFUSED[index][0], "construction")
     with pytest.raises(ValueError) as err:
-        strategy_of(spec("horizon", ex))
+        L.Trainer(accelerator="cpu", devices=ex["world"], strategy=strategy_of(spec("horizon", ex)), logger=False)
     assert all(p in str(err.value) for p in phrases), str(err.value)
 
 

@@ -153,6 +153,8 @@ def refused_examples() -> list[dict]:
         {**base, **sharded, "compression": "bf16"},
         {**base, **nodes2, "state": "node_sharded", "sync_every": 2},
         {**base, **sharded, "store": {"step": "auto", "prefetch": "read"}},
+        {**base, "world": 4, "rpn": 2, "bucket_mb": 0.0005, "collectives": "torus2d", "torus_shape": [4, 1],
+         "compression": "int8"},
         {**base, **sharded, "optimizer": {"name": "LBFGS", "kwargs": OPTIMIZERS["LBFGS"][0]}},
         {**base, "optimizer": {"name": "LBFGS", "kwargs": OPTIMIZERS["LBFGS"][0]}, "precision": "bf16-true+fp32",
          "sharding": "auto"},
@@ -286,6 +288,13 @@ def constrain(ex: dict) -> dict:
 Refusal = tuple[str, Callable[[dict], bool], Callable[[dict], list[str]], str, str]
 
 
+def _one_row_compressed(ex: dict) -> bool:
+    """torus2d compresses its column stage only: a grid of one row that spans nodes would compress nothing."""
+    shape = ex["torus_shape"]
+    return (ex["collectives"] == "torus2d" and ex["compression"] is not None and shape is not None and shape[1] == 1
+            and shape[0] > ex["rpn"])
+
+
 def _sharded(ex: dict) -> bool:
     return ex["state"] == "node_sharded" and ex["rpn"] > 1
 
@@ -322,6 +331,9 @@ REFUSED: list[Refusal] = [
      lambda ex: [f"sync_every={ex['sync_every']}", "state='node_sharded'"], "construction", "node_state.md"),
     ("store with node_sharded", lambda ex: ex["store"] is not None and ex["state"] == "node_sharded",
      lambda ex: ["state_store=", "state='node_sharded'"], "construction", "out_of_core.md"),
+    ("compression with a one-row torus across nodes", _one_row_compressed,
+     lambda ex: ["collectives='torus2d'", f"compression={ex['compression']!r}", "no column stage"], "construction",
+     "collectives.md"),
     ("node_sharded with LBFGS", lambda ex: _sharded(ex) and ex["optimizer"]["name"] == "LBFGS",
      lambda ex: ["state='node_sharded'", "LBFGS"], "setup", "node_state.md"),
     ("bf16-true with LBFGS", lambda ex: ex["precision"].startswith("bf16-true") and ex["optimizer"]["name"] == "LBFGS",
@@ -364,6 +376,8 @@ def unrefuse(ex: dict) -> dict:
             ex["sync_every"] = 1
         elif name == "store with node_sharded":
             ex["state"] = "replicated"
+        elif name == "compression with a one-row torus across nodes":
+            ex["torus_shape" if keep_sharded else "compression"] = [1, 4] if keep_sharded else None
         elif "LBFGS" in name:
             ex["optimizer"] = {"name": "SGD", "kwargs": OPTIMIZERS["SGD"][1]}
         else:

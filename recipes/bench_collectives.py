@@ -38,6 +38,7 @@ from lightning_horizon.collectives.cost_model import BucketPlanner
 from lightning_horizon.collectives.layout import Piece
 from lightning_horizon.collectives.probe import probe
 from lightning_horizon.topology import ProcessGroups, Topology
+from lightning_horizon.state import TrainingState
 
 WORLD, PER_NODE = 4, 2
 MIB = 2**20
@@ -67,7 +68,7 @@ def worker(rank: int, args: argparse.Namespace) -> None:
         variants["hierarchical_int8"] = CollectivesConfig("hierarchical", compression="int8", **chunk)
     # One parameter per size: the error feedback keeps its residual per parameter.
     params = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(int(mib * MIB) // 4)) for mib in args.sizes])
-    syncs = {name: GradientSync(cfg, groups, params) for name, cfg in variants.items()}
+    syncs = {name: GradientSync(cfg, groups, params, TrainingState()) for name, cfg in variants.items()}
     links = probe(groups)
     local_zero = rank % PER_NODE == 0
     veth = os.environ.get("GLOO_SOCKET_IFNAME")

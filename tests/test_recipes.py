@@ -250,7 +250,7 @@ class _Tokens(L.LightningModule):
 class _FakeSync(Part):
     """Stands in for the collectives' GradientSync (a strategy part): what CommMonitor reads."""
 
-    def metrics(self):
+    def comm_metrics(self):
         return {"comm/intra_bytes": 1024.0, "comm/inter_bytes": 0.0, "comm/seconds": 0.001, "comm/calls": 2.0}
 
 

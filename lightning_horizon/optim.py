@@ -43,10 +43,11 @@ def step_in_parts(optimizer: Optimizer, parts: Sequence[Any], step: Callable[[An
     out = None
     try:
         for c, part in enumerate(parts):
-            optimizer._optimizer_step_pre_hooks = pre if first and c == 0 else OrderedDict()
-            optimizer._optimizer_step_post_hooks = post if last and c == len(parts) - 1 else OrderedDict()
-            _set(_global_pre_hooks, global_pre if first and c == 0 else {})
-            _set(_global_post_hooks, global_post if last and c == len(parts) - 1 else {})
+            begins, ends = first and c == 0, last and c == len(parts) - 1
+            optimizer._optimizer_step_pre_hooks = pre if begins else OrderedDict()
+            optimizer._optimizer_step_post_hooks = post if ends else OrderedDict()
+            _set(_global_pre_hooks, global_pre if begins else {})
+            _set(_global_post_hooks, global_post if ends else {})
             for g in groups:
                 g["params"] = []
             out = step(part)

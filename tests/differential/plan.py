@@ -10,8 +10,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Optional
 
-from tests.differential.space import (EPOCH_STEPS, casts_on_load, key, loses_plateau_step, n_optimizers, refusal,
-                                      twin_changes)
+from tests.differential.space import EPOCH_STEPS, key, n_optimizers, refusal, resumes_exactly, twin_changes
 
 #: what a comparison may differ by, per reference (docs/composition.md, "The differential tester", has the why)
 BITWISE, FLOAT64 = 0.0, 1e-9
@@ -105,8 +104,7 @@ def plan(ex: dict) -> Plan:
     steps = ex["steps"] if r["from"] == "during" else ex["steps"] + EPOCH_STEPS
     p.resumed = spec("horizon", relayout(ex, r["layout"]), steps=steps, resume_from=ckpt_path(p.main, r["from"]),
                      lifecycle=False)
-    exact = not (casts_on_load(ex) or loses_plateau_step(ex))
-    if r["from"] == "during" and r["layout"] != "world1" and exact:
+    if resumes_exactly(ex):
         # node_state.md, reliability.md: a resume in the same layout continues bit for bit; a store is RAM's bits;
         # node_sharded -> replicated differs by float64 rounding (the example is float64 then)
         p.resumed_against = ("main", FLOAT64 if r["layout"] == "replicated" else BITWISE)

@@ -425,11 +425,17 @@ def loses_plateau_step(ex: dict) -> bool:
     return r is not None and r["from"] == "during" and s is not None and s["name"] == "ReduceLROnPlateau"
 
 
+def resumes_exactly(ex: dict) -> bool:
+    """The resumed fit continues the uninterrupted one (compared with it, tests/differential/plan.py): from the
+    mid-fit checkpoint, in the layout that wrote it (or replicated, or in RAM), with nothing cast or lost on load."""
+    r = ex["resume"]
+    return (r is not None and r["from"] == "during" and r["layout"] != "world1" and not casts_on_load(ex)
+            and not loses_plateau_step(ex))
+
+
 def resumed_against_ddp(ex: dict) -> bool:
     """The resumed fit is compared with "ddp" resumed alike (tests/differential/plan.py)."""
-    r = ex["resume"]
-    return r is not None and ex["precision"] == "64-true" and (r["from"] == "after" or r["layout"] == "world1"
-                                                                or casts_on_load(ex) or loses_plateau_step(ex))
+    return ex["resume"] is not None and ex["precision"] == "64-true" and not resumes_exactly(ex)
 
 
 def needs_unused(ex: dict) -> bool:
@@ -490,5 +496,5 @@ def summary(ex: dict) -> str:
 
 
 __all__ = ["COMPRESSIONS", "COST_MODELS", "EPOCH_STEPS", "OPTIMIZERS", "REFUSED", "constrain", "draw", "key",
-           "loses_plateau_step", "n_optimizers", "needs_unused",
+           "loses_plateau_step", "n_optimizers", "needs_unused", "resumes_exactly",
            "refused_examples", "refusal", "simplest", "summary", "twin_changes", "unrefuse"]

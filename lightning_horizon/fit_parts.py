@@ -2,12 +2,14 @@
 the points of Lightning's lifecycle named below and loops over its parts everywhere else; nothing else in the
 strategy names a part.
 
-0. the constructor: ``rng`` (per-rank RNG state, exact resume).
+0. the constructor (:func:`at_construction`): ``rng`` (per-rank RNG state, exact resume).
 1. ``_setup_model``, before DDP, the optimizers and the precision plugin connect (:func:`before_ddp`):
-   ``store`` (``state_store=``, fitting only: masters and optimizer state are born in the store), then
-   ``node_state`` (``state="node_sharded"`` with several ranks per node: the weights move into the node's shared
-   memory and the gradients take the owners' path, so the model is not wrapped in DDP).
-2. ``_register_ddp_hooks`` (:func:`gradient_sync`): ``collectives``, the comm hook's state, unless one rank runs or
+   ``store`` (``state_store=``, fitting only: masters and optimizer state are born in the store), then with one
+   process ``unused`` (the module stays unwrapped; after the first step it names the parameters that got no
+   gradient, which DDP refuses on several), else ``node_state`` (``state="node_sharded"`` with several ranks per
+   node: the weights move into the node's shared memory and the gradients take the owners' path, so the model is
+   not wrapped in DDP).
+2. ``_register_ddp_hooks`` (:func:`comm_hook`): ``collectives``, the comm hook's state, unless one rank runs or
    the user registered a hook of their own.
 3. the end of ``setup`` (:func:`at_setup`): the memory check, then ``sharding`` (planned at the first
    ``training_step``).
@@ -18,7 +20,7 @@ The fit-only parts (:data:`FIT_ONLY`) leave the registry at teardown: validate, 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
@@ -26,8 +28,11 @@ from torch import nn
 from lightning_horizon import memory, placement
 from lightning_horizon.collectives import GradientSync
 from lightning_horizon.node_state import NodeState
+from lightning_horizon.parts import Parts
+from lightning_horizon.rng import RNGState
 from lightning_horizon.sharding import GraphSharder
 from lightning_horizon.store import OutOfCore, store_folder
+from lightning_horizon.unused import UnusedParameters
 
 log = logging.getLogger("lightning_horizon.strategy")
 
@@ -35,15 +40,27 @@ log = logging.getLogger("lightning_horizon.strategy")
 FIT_ONLY = ("node_state", "store")
 
 
-def before_ddp(strategy: Any, model: nn.Module, trainer: Any) -> bool:
-    """Add the parts born before DDP (1. above); True when the node-sharded state replaces DDP's wrapper."""
+def at_construction() -> Parts:
+    """The registry with the parts born with the strategy (0. above)."""
+    parts = Parts()
+    parts.add("rng", RNGState())
+    return parts
+
+
+def before_ddp(strategy: Any, model: nn.Module, trainer: Any, find_unused: bool) -> bool:
+    """Add the parts born before DDP (1. above); True when the module stays unwrapped: one process (nothing to
+    synchronize), or node-sharded state in DDP's place. ``find_unused``: DDP's ``find_unused_parameters``."""
     options = strategy.options
     if options.store is not None and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
         part = OutOfCore(options.store, strategy.training_state, strategy.global_rank, lambda: strategy.sharder,
                          budgeted=options.sharding is not None)
         part.install(model, store_folder(options.store, trainer))
         strategy.parts.add("store", part)
-    if strategy.world_size == 1 or options.state != "node_sharded":
+    if strategy.world_size == 1:
+        if not find_unused:  # a parameter that gets no gradient fails DDP on several processes: warn of it
+            strategy.parts.add("unused", UnusedParameters(model))
+        return True
+    if options.state != "node_sharded":
         return False
     if strategy.topology.ranks_per_node == 1:
         if strategy.global_rank == 0:
@@ -57,12 +74,12 @@ def before_ddp(strategy: Any, model: nn.Module, trainer: Any) -> bool:
     return True
 
 
-def gradient_sync(strategy: Any, module: nn.Module) -> GradientSync:
-    """The comm hook's state (2. above). Built on every rank at the same point: it may create grid groups and probe
-    the links (collective)."""
+def comm_hook(strategy: Any, module: nn.Module) -> tuple[GradientSync, Callable[..., Any]]:
+    """The comm hook and its state (2. above). Built on every rank at the same point: it may create grid groups and
+    probe the links (collective)."""
     sync = GradientSync(strategy.options.collectives, strategy.process_groups, module, strategy.training_state)
     strategy.parts.add("collectives", sync)
-    return sync
+    return sync, sync.hook
 
 
 def at_setup(strategy: Any, trainer: Any) -> None:
@@ -95,4 +112,4 @@ def check_memory(strategy: Any) -> None:
     memory.check_fit(placement.all_gather_objects(row))  # every rank decides alike: none is left waiting
 
 
-__all__ = ["FIT_ONLY", "at_setup", "before_ddp", "check_memory", "gradient_sync"]
+__all__ = ["FIT_ONLY", "at_construction", "at_setup", "before_ddp", "check_memory", "comm_hook"]

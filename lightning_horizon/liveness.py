@@ -9,11 +9,14 @@ listed as such, with the node they were on.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import socket
 import time
 from typing import Any
+
+log = logging.getLogger("lightning_horizon.strategy")  # the strategy's log: where its user looks
 
 _LOST_PEER = re.compile(
     r"connection (closed|reset)|broken pipe|read error|timed? ?out|timeout|socket|peer|gloo|closed by",
@@ -63,6 +66,13 @@ def lost_ranks(placement: list[dict[str, Any]], me: int) -> tuple[list[int], lis
 #: how long a peer whose sockets closed may take to be gone: a killed process closes its sockets while it exits,
 #: before it is a zombie, so the first look can still see it running (seen on a loaded 2-core machine)
 EXIT_GRACE_S = 3.0
+
+
+def name_lost_peer(exception: BaseException, placement: list[dict[str, Any]], me: int, timeout_s: float) -> None:
+    """Log which peer was lost when ``exception`` looks like a dead or hung one (a socket error or a timeout that
+    names no rank); nothing with one rank, or before setup recorded the placement."""
+    if len(placement) > 1 and looks_like_lost_peer(exception):
+        log.error(describe(placement, me, timeout_s))
 
 
 def describe(placement: list[dict[str, Any]], me: int, timeout_s: float) -> str:

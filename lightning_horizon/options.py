@@ -31,6 +31,11 @@ class HorizonOptions:
     state_checkpoint: str
     store: Optional[StoreConfig]
 
+    #: the strategy's own arguments that :meth:`resolve` takes by the same names
+    ARGUMENTS = ("ranks_per_node", "bucket_size_mb", "timeout", "process_group_backend", "pin_cores",
+                 "threads_per_rank", "sharding", "collectives", "compression", "sync_every", "sync_warmup_steps",
+                 "torus_shape", "cost_model", "state", "node_weights", "state_checkpoint", "state_store")
+
     @property
     def bucket_bytes(self) -> int:
         return int(self.bucket_size_mb * 2**20)

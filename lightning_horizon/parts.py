@@ -9,15 +9,21 @@ Lifecycle, as HorizonStrategy drives it:
 
 - ``connect(trainer, module, optimizers)``: in ``Strategy.setup`` once the optimizers and the precision plugin are
   connected (a part made before them, in ``_setup_model``, finishes its setup here: what it refuses, what it holds).
+  First the registry checks what every part declares (:meth:`Parts.check`): two parts that ``takes`` the same thing
+  (the parameters' storage, the gradient path) are refused, naming both, and so is an optimizer a part ``refuses``.
 - ``after_setup()``: the end of ``Strategy.setup``, once every part exists and has its saved state.
 - ``before_training_step(module, batch, batch_idx, step_context)`` / ``after_training_step(output)``: around every
   ``training_step`` (``step_context``: the precision plugin's ``train_step_context``, for work that must see the
   step's dtypes); ``output`` is what Lightning and the callbacks will see.
 - ``pre_backward(sync)`` / ``post_backward()``: around every backward; ``sync`` is False on accumulation
   micro-batches (inside ``block_backward_sync``: DDP's ``no_sync``).
+- ``clip_gradients(plugin, optimizer, clip_val, algorithm)``: every clip of the fit, whichever path asked for it
+  (``Trainer(gradient_clip_val=...)``, ``self.clip_gradients`` from ``configure_gradient_clipping`` or in manual
+  optimization: all end in the precision plugin's ``clip_gradients``, which the registry routes here from
+  ``connect`` to ``teardown``, :meth:`Parts.route_clipping`); True: the part clipped, the plugin's own clip does not run; False (default): it does.
 - ``gradients_ready()``: inside every optimizer step, after its closure (forward, backward) and before the
   optimizer reads the gradients (with LBFGS after each of its closure calls).
-- ``optimizer_stepped()``: after every optimizer step, before anything reads the weights again.
+- ``optimizer_stepped(optimizer)``: after every optimizer step (``optimizer``: the one that stepped), before anything reads the weights again.
 - ``after_optimizer_step()``: after the optimizer step of every batch that steps (accounting, local SGD's
   periodic average, re-plans); in manual optimization once per batch, after ``training_step`` and so after
   all of its optimizer steps.
@@ -30,13 +36,26 @@ Lifecycle, as HorizonStrategy drives it:
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Optional, Protocol, runtime_checkable
+from types import MappingProxyType
+from typing import Any, Callable, Iterator, Mapping, Optional, Protocol, runtime_checkable
 
+from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 from torch import nn
+
+from lightning_horizon.optim import torch_optimizer
+
+#: what a part may take for itself (:attr:`Part.takes`); two parts that take the same one cannot run together
+PARAMETERS = "the parameters' storage"
+GRADIENTS = "the gradient path"
 
 
 @runtime_checkable
 class PartProtocol(Protocol):
+    label: str
+    takes: Mapping[str, str]
+
+    def refuses(self, optimizer: Any) -> Optional[str]: ...
+
     def connect(self, trainer: Any, module: nn.Module, optimizers: list[Any]) -> None: ...
 
     def after_setup(self) -> None: ...
@@ -49,9 +68,11 @@ class PartProtocol(Protocol):
 
     def post_backward(self) -> None: ...
 
+    def clip_gradients(self, plugin: Any, optimizer: Any, clip_val: float, algorithm: Any) -> bool: ...
+
     def gradients_ready(self) -> None: ...
 
-    def optimizer_stepped(self) -> None: ...
+    def optimizer_stepped(self, optimizer: Any) -> None: ...
 
     def after_optimizer_step(self) -> None: ...
 
@@ -67,7 +88,18 @@ class PartProtocol(Protocol):
 
 
 class Part:
-    """Base class of a strategy part: every hook a no-op, no state. Override what the part needs."""
+    """Base class of a strategy part: every hook a no-op, no state, takes nothing, refuses no optimizer. Override
+    what the part needs."""
+
+    #: how a refusal names the part: the option that makes it, as the user wrote it (default: its registry name)
+    label: str = ""
+    #: what the part takes for itself (:data:`PARAMETERS`, :data:`GRADIENTS`) and how: a second part taking the
+    #: same is refused at setup, naming both
+    takes: Mapping[str, str] = MappingProxyType({})
+
+    def refuses(self, optimizer: Any) -> Optional[str]:
+        """Why this part cannot step ``optimizer`` (torch's, unwrapped), or ``None``: checked at setup."""
+        return None
 
     def connect(self, trainer: Any, module: nn.Module, optimizers: list[Any]) -> None:
         pass
@@ -87,10 +119,13 @@ class Part:
     def post_backward(self) -> None:
         pass
 
+    def clip_gradients(self, plugin: Any, optimizer: Any, clip_val: float, algorithm: Any) -> bool:
+        return False
+
     def gradients_ready(self) -> None:
         pass
 
-    def optimizer_stepped(self) -> None:
+    def optimizer_stepped(self, optimizer: Any) -> None:
         pass
 
     def after_optimizer_step(self) -> None:
@@ -123,11 +158,13 @@ class Parts:
     def __init__(self) -> None:
         self._parts: dict[str, PartProtocol] = {}
         self._saved: dict[str, Any] = {}  # this rank's saved states not yet handed to a part
+        self._unroute: Optional[Callable[[], None]] = None  # undoes route_clipping (connect to teardown)
+        self._removed: dict[str, Any] = {}  # the last part of each name that was removed
 
     def add(self, name: str, part: PartProtocol) -> PartProtocol:
         """Register ``part`` (replacing one of the same name); it gets its saved state now if one is waiting."""
         if not isinstance(part, PartProtocol):
-            missing = [m for m in _HOOKS if not callable(getattr(part, m, None))]
+            missing = [m for m in _HOOKS if not hasattr(part, m)]
             raise TypeError(
                 f"part {name!r}={type(part).__name__}: a strategy part implements {', '.join(_HOOKS)};"
                 f" missing {', '.join(missing)} (subclass lightning_horizon.parts.Part for no-op defaults)"
@@ -138,8 +175,14 @@ class Parts:
         return part
 
     def remove(self, name: str) -> None:
-        """Forget the part ``name`` (if any): it has torn down and must not take part in what follows."""
-        self._parts.pop(name, None)
+        """Forget the part ``name`` (if any): it has torn down and must not take part in what follows (:meth:`last`
+        still gives it)."""
+        if name in self._parts:
+            self._removed[name] = self._parts.pop(name)
+
+    def last(self, name: str) -> Optional[Any]:
+        """The part ``name`` while there is one, else the last one removed (``None`` if none ever was)."""
+        return self._parts.get(name, self._removed.get(name))
 
     def get(self, name: str) -> Optional[Any]:
         return self._parts.get(name)
@@ -152,7 +195,28 @@ class Parts:
 
     # ------------------------------------------------------------------ hooks
 
+    def check(self, optimizers: list[Any]) -> None:
+        """Refuse what the parts declare they cannot run with: two parts taking one thing, or an optimizer one of them
+        cannot step (ValueError naming both)."""
+        taken: dict[str, tuple[str, str]] = {}  # thing -> (label, how) of the first part that takes it
+        for name, part in self._parts.items():
+            label = part.label or name
+            for thing, how in part.takes.items():
+                if thing in taken:
+                    other, other_how = taken[thing]
+                    raise ValueError(f"{other} with {label}: both take {thing} ({other}: {other_how}; {label}: {how});"
+                                     " use one of them")
+                taken[thing] = (label, how)
+            for opt in map(torch_optimizer, optimizers):
+                why = part.refuses(opt)
+                if why is not None:
+                    raise ValueError(f"{label} cannot step {type(opt).__name__}: {why}")
+
     def connect(self, trainer: Any, module: nn.Module, optimizers: list[Any]) -> None:
+        """Check what the parts declare, route every clip through them until teardown, connect each."""
+        self.check(optimizers)
+        if self._unroute is None:
+            self._unroute = self.route_clipping(trainer.precision_plugin)
         for part in self:
             part.connect(trainer, module, optimizers)
 
@@ -177,13 +241,38 @@ class Parts:
         for part in self:
             part.post_backward()
 
+    def clip_gradients(self, plugin: Any, optimizer: Any, clip_val: float, algorithm: Any) -> bool:
+        """True when a part clipped (the first that does; the others are not asked)."""
+        return any(part.clip_gradients(plugin, optimizer, clip_val, algorithm) for part in self)
+
+    def route_clipping(self, plugin: Any) -> Callable[[], None]:
+        """Route ``plugin.clip_gradients`` (the end of every clipping path) through :meth:`clip_gradients` until the
+        returned function is called; where no part clips, the plugin's own runs, as it would have."""
+        own, before = plugin.clip_gradients, plugin.__dict__.get("clip_gradients")
+
+        def routed(optimizer: Any, clip_val: float = 0.0,
+                   gradient_clip_algorithm: Any = GradClipAlgorithmType.NORM) -> None:
+            if clip_val > 0 and self.clip_gradients(plugin, optimizer, clip_val, gradient_clip_algorithm):
+                return
+            own(optimizer, clip_val, gradient_clip_algorithm)
+
+        plugin.clip_gradients = routed  # this instance only: what it had (the class's method) again once undone
+
+        def undo() -> None:
+            if plugin.__dict__.get("clip_gradients") is routed:
+                if before is None:
+                    del plugin.clip_gradients
+                else:
+                    plugin.clip_gradients = before
+        return undo
+
     def gradients_ready(self) -> None:
         for part in self:
             part.gradients_ready()
 
-    def optimizer_stepped(self) -> None:
+    def optimizer_stepped(self, optimizer: Any) -> None:
         for part in self:
-            part.optimizer_stepped()
+            part.optimizer_stepped(optimizer)
 
     def after_optimizer_step(self) -> None:
         for part in self:
@@ -196,6 +285,9 @@ class Parts:
     def teardown(self) -> None:
         for part in self:
             part.teardown()
+        if self._unroute is not None:
+            self._unroute()  # the plugin's own clip_gradients again
+            self._unroute = None
 
     def comm_metrics(self) -> dict[str, float]:
         return {k: v for part in self for k, v in part.comm_metrics().items()}
@@ -213,8 +305,8 @@ class Parts:
                 part.load_state_dict(self._saved.pop(name))
 
 
-_HOOKS = ("connect", "after_setup", "before_training_step", "after_training_step", "pre_backward", "post_backward",
-          "gradients_ready", "optimizer_stepped",
+_HOOKS = ("label", "takes", "refuses", "connect", "after_setup", "before_training_step", "after_training_step",
+          "pre_backward", "post_backward", "clip_gradients", "gradients_ready", "optimizer_stepped",
           "after_optimizer_step", "before_save", "comm_metrics", "state_dict", "load_state_dict", "teardown")
 
-__all__ = ["part", "Part", "PartProtocol", "Parts"]
+__all__ = ["GRADIENTS", "PARAMETERS", "part", "Part", "PartProtocol", "Parts"]

@@ -8,7 +8,6 @@ is made of (fit_parts.py), each keeping its per-rank state under one checkpoint 
 from __future__ import annotations
 
 import inspect
-import logging
 import os
 from contextlib import contextmanager
 from datetime import timedelta
@@ -18,13 +17,11 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.strategy import Strategy
-from lightning.pytorch.utilities.exceptions import _augment_message
 from typing_extensions import override
 
 from lightning_horizon import cpu, fit_parts, liveness, placement
 from lightning_horizon.checkpoint_io import AtomicCheckpointIO
 from lightning_horizon.parts import Parts, part
-from lightning_horizon.rng import RNGState
 from lightning_horizon.precision import HorizonPrecision
 from lightning_horizon.state import TrainingState
 from lightning_horizon.sharding import ShardingConfig
@@ -34,9 +31,7 @@ from lightning_horizon.strategy_args import ccl_available, check_world, register
 from lightning_horizon.strategy_checkpoint import StrategyCheckpoint
 from lightning_horizon.store import StoreConfig
 from lightning_horizon.topology import ProcessGroups, Topology
-from lightning_horizon.unused import REDUCER_ERROR, UNUSED_PARAMETERS, warn_unused_parameters
-
-log = logging.getLogger(__name__)
+from lightning_horizon.unused import explain_unused
 
 #: Collective timeout: long enough for a slow checkpoint write on rank 0 while the others wait in a barrier,
 #: short enough that a lost peer ends the job instead of hanging it for torch's default 30 minutes.
@@ -73,28 +68,19 @@ class HorizonStrategy(DDPStrategy):
     def __init__(
         self, accelerator: Optional[Any] = None, parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[Any] = None, checkpoint_io: Optional[Any] = None,
-        precision_plugin: Optional[Any] = None, *,
-        ranks_per_node: Optional[int] = None, bucket_size_mb: float = 8,
+        precision_plugin: Optional[Any] = None, *, ranks_per_node: Optional[int] = None, bucket_size_mb: float = 8,
         timeout: Union[float, timedelta] = DEFAULT_TIMEOUT_S, process_group_backend: Optional[str] = None,
         pin_cores: bool = True, threads_per_rank: Optional[int] = None,
-        sharding: Union[None, str, ShardingConfig] = None,
-        collectives: str = "flat", compression: Optional[str] = None, sync_every: int = 1,
-        sync_warmup_steps: int = 0, torus_shape: Optional[tuple[int, int]] = None, cost_model: Optional[Any] = None,
-        state: str = "replicated", node_weights: str = "shared", state_checkpoint: str = "full",
-        state_store: Union[None, str, os.PathLike, StoreConfig] = None,
-        **kwargs: Any,
+        sharding: Union[None, str, ShardingConfig] = None, collectives: str = "flat", compression: Optional[str] = None,
+        sync_every: int = 1, sync_warmup_steps: int = 0, torus_shape: Optional[tuple[int, int]] = None,
+        cost_model: Optional[Any] = None, state: str = "replicated", node_weights: str = "shared",
+        state_checkpoint: str = "full", state_store: Union[None, str, os.PathLike, StoreConfig] = None, **kwargs: Any,
     ) -> None:
         # Every check runs here, in the Trainer's constructor: before a launcher starts a process or a group.
+        arguments = {k: v for k, v in locals().items() if k in HorizonOptions.ARGUMENTS}
         #: the strategy's own options, checked and resolved (options.py); the parts are built from them
-        self.options = HorizonOptions.resolve(
-            ranks_per_node=ranks_per_node, bucket_size_mb=bucket_size_mb, timeout=timeout,
-            process_group_backend=process_group_backend, pin_cores=pin_cores, threads_per_rank=threads_per_rank,
-            sharding=sharding, collectives=collectives, compression=compression, sync_every=sync_every,
-            sync_warmup_steps=sync_warmup_steps, torus_shape=torus_shape, cost_model=cost_model, state=state,
-            node_weights=node_weights, state_checkpoint=state_checkpoint, state_store=state_store,
-            checkpoint_io=checkpoint_io, ddp_kwargs=kwargs,
-            named=set(inspect.signature(HorizonStrategy.__init__).parameters),
-        )
+        self.options = HorizonOptions.resolve(**arguments, checkpoint_io=checkpoint_io, ddp_kwargs=kwargs,
+                                              named=set(inspect.signature(HorizonStrategy.__init__).parameters))
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO(),
@@ -108,21 +94,18 @@ class HorizonStrategy(DDPStrategy):
         #: the owner of the true weights (state.py), one per strategy: handed to the precision plugin and every part
         self.training_state = TrainingState()
         #: the parts (parts.py), built by fit_parts.py; their per-rank state is kept under one checkpoint key
-        self.parts = Parts()
-        self.parts.add("rng", RNGState())
+        self.parts: Parts = fit_parts.at_construction()
         #: the checkpoint side (strategy_checkpoint.py): what a save adds, what a load hands back
         self.checkpoints = StrategyCheckpoint(self)
-        self._last_node_state: Optional[NodeState] = None  # torn down; its shares are still in the optimizers
         self._reported = False
         self._thread_settings: Optional[cpu.ThreadSettings] = None
-        self._warn_unused = False
         self._sync_backward = True  # False inside block_backward_sync (accumulation micro-batches)
 
     # ------------------------------------------------------------------ the parts, by what they do
 
     sharder = part("sharding", "The graph sharder (plan, budget, history) once setup made it; ``None`` without.")
-    gradient_sync = part("collectives", "The gradient sync (collectives, compression, local SGD) with DDP on several"
-                         " ranks and no comm hook of yours; else ``None``.")
+    gradient_sync = part("collectives", "The gradient sync (collectives, compression, local SGD) under DDP, with no"
+                         " comm hook of yours; else ``None``.")
     store = part("store", "The out-of-core store (``state_store=``) while fitting: its plan, disk figures, metrics.")
     node_state = part("node_state", "The node-sharded state (owners, shared weights, gradient path) while fitting.")
 
@@ -130,7 +113,7 @@ class HorizonStrategy(DDPStrategy):
     def node_shares(self) -> Optional[NodeState]:
         """The node-sharded state whose shares this rank's optimizers hold: the fit's, after it the last fit's (so
         that ``trainer.save_checkpoint`` after fit gathers every share); ``None`` when no fit was node-sharded."""
-        return self.node_state if self.node_state is not None else self._last_node_state
+        return self.parts.last("node_state")
 
     def comm_metrics(self) -> dict[str, float]:
         """The last step's communication figures (bytes per link class, seconds); empty without communication."""
@@ -147,8 +130,7 @@ class HorizonStrategy(DDPStrategy):
     def _configure_launcher(self) -> None:
         check_world(self.options, self.num_nodes * self.num_processes, self.num_processes,
                     self._process_group_backend, self.root_device)
-        # Lightning's launcher sets OMP_NUM_THREADS and torch's thread count, our pinning the affinity and the
-        # OpenMP variables: teardown gives back what this process had before either (a notebook goes on after fit).
+        # teardown gives back the threads, affinity and OpenMP variables of before (a notebook goes on after fit)
         self._thread_settings = cpu.ThreadSettings.capture()
         super()._configure_launcher()
 
@@ -160,8 +142,7 @@ class HorizonStrategy(DDPStrategy):
 
     @override
     def setup_distributed(self) -> None:
-        # One process too, as DDPStrategy does: user code that builds a DistributedSampler or calls
-        # torch.distributed works unchanged (a world-size-1 gloo group costs milliseconds).
+        # one process too, as DDPStrategy: a DistributedSampler or torch.distributed call works unchanged
         super().setup_distributed()
         placement.destroy_process_group_at_exit()
 
@@ -189,14 +170,9 @@ class HorizonStrategy(DDPStrategy):
 
     @override
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        if fit_parts.before_ddp(self, model, getattr(self.lightning_module, "_trainer", None)):
-            return model  # node-sharded: no DDP wrapper, the owners' gradient path instead
-        if self.world_size == 1:
-            # One process: nothing to synchronize, keep the plain module. DDP's reducer would refuse parameters
-            # that get no gradient; harmless here, but the same code fails on several processes: warn after the
-            # first step (unless the user already allows them).
-            self._warn_unused = not self._ddp_kwargs.get("find_unused_parameters", False)
-            return model
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if fit_parts.before_ddp(self, model, trainer, self._ddp_kwargs.get("find_unused_parameters", False)):
+            return model  # no DDP wrapper: one process, or node-sharded (the owners' gradient path instead)
         return super()._setup_model(model)
 
     @override
@@ -206,8 +182,7 @@ class HorizonStrategy(DDPStrategy):
             return  # node-sharded: the owners' gradient path instead
         state, hook = self._ddp_comm_state, self._ddp_comm_hook
         if hook is None:
-            state = fit_parts.gradient_sync(self, self.model.module)
-            hook = state.hook
+            state, hook = fit_parts.comm_hook(self, self.model.module)
         if self._ddp_comm_wrapper is not None:
             hook = self._ddp_comm_wrapper(hook)
         self.model.register_comm_hook(state=state, hook=hook)
@@ -217,16 +192,12 @@ class HorizonStrategy(DDPStrategy):
         if self.world_size > 1:
             super().setup(trainer)
         else:
-            # One process: the base Strategy's setup (precision, optimizers) without DDP's wrapping and without
-            # DDPStrategy's broadcast of module states, which needs a process group.
+            # one process: the base Strategy's setup, without DDP's wrapper and DDPStrategy's broadcast of states
             Strategy.setup(self, trainer)
-        if self.checkpoints.node_weights is not None:  # local SGD: this node's weights, from the loaded checkpoint
-            self.lightning_module.load_state_dict(self.checkpoints.node_weights)
-            self.checkpoints.node_weights = None
+        self.checkpoints.restore_node_weights(self.lightning_module)  # local SGD: this node's, from the checkpoint
         self.parts.connect(trainer, self.lightning_module, self.optimizers)
         fit_parts.at_setup(self, trainer)
-        # Last, so that nothing in setup draws from a restored generator; Lightning's sanity check runs under
-        # isolate_rng, so the next draw is the training data iterator's, as in the uninterrupted run.
+        # last: nothing in setup draws from a restored generator (the sanity check runs under isolate_rng)
         self.parts.after_setup()
 
     # ------------------------------------------------------------------ training step, backward and optimizer step
@@ -240,8 +211,7 @@ class HorizonStrategy(DDPStrategy):
         output = super().training_step(*args, **kwargs)
         self.parts.after_training_step(output)
         if not self.lightning_module.automatic_optimization:
-            # Manual optimization steps its optimizers inside training_step, possibly several (a GAN's two): the
-            # parts see the batch's steps once, after the last, so local SGD averages what every optimizer stepped.
+            # manual: the batch's steps (a GAN's two) once, after the last: local SGD averages what all stepped
             self.parts.after_optimizer_step()
         return output
 
@@ -267,18 +237,14 @@ class HorizonStrategy(DDPStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        # The closure (forward, backward) runs inside the step: the parts settle the gradients after it, before the
-        # optimizer reads them, and finish the step's writes before anything reads the weights again.
+        # the parts settle the gradients after the closure (forward, backward), before the optimizer reads them
         def settled() -> Any:
             out = closure()
             self.parts.gradients_ready()
             return out
 
         output = super().optimizer_step(optimizer, settled, model, **kwargs)
-        self.parts.optimizer_stepped()
-        if self._warn_unused:
-            self._warn_unused = False
-            warn_unused_parameters(optimizer, self.lightning_module)
+        self.parts.optimizer_stepped(optimizer)
         if self.lightning_module.automatic_optimization:
             self.parts.after_optimizer_step()  # manual optimization: once per batch, in training_step
         return output
@@ -308,17 +274,13 @@ class HorizonStrategy(DDPStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        # DDPStrategy's explanation of the reducer's unused-parameter error, naming this strategy's switch
         Strategy.on_exception(self, exception)
-        _augment_message(exception, pattern=REDUCER_ERROR, new_message=UNUSED_PARAMETERS)
-        # A dead or hung peer surfaces as a socket error or a timeout naming no rank: name it.
-        if self.placement and self.world_size > 1 and liveness.looks_like_lost_peer(exception):
-            log.error(liveness.describe(self.placement, self.global_rank, self._timeout.total_seconds()))
+        explain_unused(exception)  # DDPStrategy's explanation of the reducer's error, naming this strategy's switch
+        liveness.name_lost_peer(exception, self.placement, self.global_rank, self._timeout.total_seconds())
 
     @override
     def teardown(self) -> None:
         self.parts.teardown()  # the sharder uninstalls: the module leaves fit exactly as it came in
-        self._last_node_state = self.node_shares
         for name in fit_parts.FIT_ONLY:  # the weights are the module's own again: validate/test run replicated
             self.parts.remove(name)
         super().teardown()

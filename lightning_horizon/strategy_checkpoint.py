@@ -37,6 +37,12 @@ class StrategyCheckpoint:
         #: under local SGD, this node's weights from the loaded checkpoint, for the module once setup built it
         self.node_weights: Optional[dict[str, Any]] = None
 
+    def restore_node_weights(self, module: Any) -> None:
+        """Under local SGD, give ``module`` (built by setup) this node's weights from the loaded checkpoint, once."""
+        if self.node_weights is not None:
+            module.load_state_dict(self.node_weights)
+            self.node_weights = None
+
     def before_write(self, checkpoint: dict[str, Any], filepath: Any) -> None:
         """Called on every rank before rank 0 writes ``checkpoint``; the parts' state differs per rank (RNG, error
         feedback, plans), so it is gathered to rank 0 into the checkpoint."""

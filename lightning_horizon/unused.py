@@ -3,10 +3,13 @@ strategy warns after the first step, naming them and the switch that several pro
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
+from lightning.pytorch.utilities.exceptions import _augment_message
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lightning_horizon.parts import Part
 
 #: DDPStrategy's explanation of the reducer's error, naming this strategy's switch
 UNUSED_PARAMETERS = (
@@ -17,6 +20,24 @@ UNUSED_PARAMETERS = (
 )
 #: what the reducer's error says, matched to add the explanation
 REDUCER_ERROR = ".*Expected to have finished reduction in the prior iteration.*"
+
+
+def explain_unused(exception: BaseException) -> None:
+    """Add :data:`UNUSED_PARAMETERS` to DDP's reducer error (as DDPStrategy does, naming this strategy's switch)."""
+    _augment_message(exception, pattern=REDUCER_ERROR, new_message=UNUSED_PARAMETERS)
+
+
+class UnusedParameters(Part):
+    """The part that warns once, after the first optimizer step of a one-process fit (DDP's reducer is not there to
+    refuse), about the parameters that optimizer steps that got no gradient."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module: Optional[torch.nn.Module] = module
+
+    def optimizer_stepped(self, optimizer: Any) -> None:
+        if self.module is not None:
+            warn_unused_parameters(optimizer, self.module)
+            self.module = None
 
 
 def warn_unused_parameters(optimizer: Any, module: torch.nn.Module) -> None:
@@ -31,4 +52,4 @@ def warn_unused_parameters(optimizer: Any, module: torch.nn.Module) -> None:
         )
 
 
-__all__ = ["REDUCER_ERROR", "UNUSED_PARAMETERS", "warn_unused_parameters"]
+__all__ = ["REDUCER_ERROR", "UNUSED_PARAMETERS", "UnusedParameters", "explain_unused", "warn_unused_parameters"]

@@ -174,13 +174,15 @@ def test_ddp_strategy_calls_the_private_hooks_we_override():
 
 def test_augment_message_rewrites_the_reducer_error():
     """``on_exception`` names our ``find_unused_parameters`` switch in DDP's reducer error, as DDPStrategy does."""
-    from lightning.pytorch.utilities.exceptions import _augment_message
-
-    from lightning_horizon.unused import REDUCER_ERROR, UNUSED_PARAMETERS
+    from lightning_horizon.strategy import HorizonStrategy
+    from lightning_horizon.unused import UNUSED_PARAMETERS
 
     err = RuntimeError("Expected to have finished reduction in the prior iteration before starting a new one.", 3)
-    _augment_message(err, pattern=REDUCER_ERROR, new_message=UNUSED_PARAMETERS)
+    HorizonStrategy().on_exception(err)  # explain_unused: Lightning's _augment_message
     assert err.args == (UNUSED_PARAMETERS, 3)
+    other = RuntimeError("something else", 3)
+    HorizonStrategy().on_exception(other)
+    assert other.args == ("something else", 3)
 
 
 # ---------------------------------------------------------------------------------------- Lightning, other parts
@@ -219,19 +221,24 @@ def test_precision_after_closure_runs_the_step_callbacks_and_clipping():
     assert torch.allclose(norm, torch.tensor(1e-3))
 
 
-def test_precision_clip_methods_are_looked_up_on_the_instance():
-    """node_state/clipping.py sets ``clip_grad_by_norm`` / ``clip_grad_by_value`` on the plugin instance:
-    ``Precision.clip_gradients`` (Trainer's ``gradient_clip_val``, ``self.clip_gradients``) must find them there."""
-    from lightning.pytorch.plugins.precision import Precision
+def test_every_clip_looks_up_clip_gradients_on_the_plugin_instance():
+    """The parts registry routes every clip by setting ``clip_gradients`` on the precision plugin instance (parts.py):
+    Trainer's ``gradient_clip_val`` (``Precision._clip_gradients`` -> ``configure_gradient_clipping``) and
+    ``self.clip_gradients`` must both end in that instance attribute."""
+    import lightning as L
+    from lightning.pytorch.demos.boring_classes import BoringModel
     from lightning.pytorch.utilities import GradClipAlgorithmType
 
-    p, seen = Precision(), []
-    p.clip_grad_by_norm = lambda opt, val: seen.append(("norm", val))
-    p.clip_grad_by_value = lambda opt, val: seen.append(("value", val))
-    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
-    p.clip_gradients(opt, 0.5, GradClipAlgorithmType.NORM)
-    p.clip_gradients(opt, 0.25, GradClipAlgorithmType.VALUE)
-    assert seen == [("norm", 0.5), ("value", 0.25)]
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
+    model, seen = BoringModel(), []
+    trainer.strategy.connect(model)
+    model.trainer = trainer
+    p = trainer.precision_plugin
+    p.clip_gradients = lambda opt, val, algorithm: seen.append((val, algorithm.value))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    p._clip_gradients(model, opt, 0.5, GradClipAlgorithmType.NORM)  # the Trainer's gradient_clip_val
+    model.clip_gradients(opt, gradient_clip_val=0.25, gradient_clip_algorithm="value")
+    assert seen == [(0.5, "norm"), (0.25, "value")]
 
 
 def test_lightning_module_trainer_attribute():

@@ -16,6 +16,8 @@ import re
 
 import pytest
 
+from lightning_horizon import HorizonPrecision
+
 from tests.launch import REPO, run_script
 
 SCRIPT = REPO / "tests" / "scripts" / "new_user.py"
@@ -61,7 +63,8 @@ def test_a_default_short_run_prints_throughput_and_mfu(output):
     # 20 steps under the default log_every_n_steps=50: the end-of-fit line, with FLOPs counted, not declared
     assert re.search(r"GFLOP per batch on rank 0, counted by torch's FlopCounterMode on training batch 2", tokens)
     (line,) = re.findall(r"^fit: 18 steps after 2 warm-up batches .*$", "\n".join(_segments(tokens)), re.M)
-    figures = r": [\d,]+ tok/s \| [\d.e-]+ GFLOP/s per rank \(counted on batch 2\) \| MFU [\d.e-]+% of fp32"
+    compute = HorizonPrecision().compute  # the script's plugin: bf16 where this CPU has native bf16, else fp32
+    figures = rf": [\d,]+ tok/s \| [\d.e-]+ GFLOP/s per rank \(counted on batch 2\) \| MFU [\d.e-]+% of {compute} peak"
     assert re.search(figures, line), line
     bar = re.findall(r"tok/s=([^,\]]+)", tokens)
     assert bar and all(v.isdigit() for v in bar), sorted(set(bar))  # an integer, not 4.29e+3

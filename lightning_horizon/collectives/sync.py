@@ -14,6 +14,7 @@ local-SGD counters through a checkpoint.
 
 import logging
 import time
+from types import MappingProxyType
 from typing import Any, Callable, Optional
 
 import torch
@@ -28,7 +29,7 @@ from lightning_horizon.collectives.cost_model import BucketPlanner
 from lightning_horizon.collectives.layout import BucketLayout
 from lightning_horizon.collectives.local_sgd import PeriodicSync
 from lightning_horizon.collectives.probe import probe
-from lightning_horizon.parts import Part
+from lightning_horizon.parts import GRADIENTS, Part
 from lightning_horizon.state import TrainingState
 from lightning_horizon.topology import ProcessGroups
 
@@ -39,6 +40,9 @@ LOG_EVERY_N_STEPS = 100
 
 class GradientSync(Part):
     """Everything the comm hooks need: groups, algorithm choice, error feedback, local SGD, accounting."""
+
+    label = "HorizonStrategy(collectives=...)"
+    takes = MappingProxyType({GRADIENTS: "DDP's comm hook on every bucket"})
 
     def __init__(
         self,

@@ -9,9 +9,9 @@ ties them together). See docs/node_state.md.
 
 from lightning_horizon.node_state import checkpoint
 from lightning_horizon.node_state.accounting import state_bytes, table
-from lightning_horizon.node_state.optimizers import PER_PARAMETER, check_optimizers
+from lightning_horizon.node_state.optimizers import PER_PARAMETER
 from lightning_horizon.node_state.ownership import Bucket, plan_buckets
 from lightning_horizon.node_state.part import NodeState
 
-__all__ = ["Bucket", "NodeState", "PER_PARAMETER", "check_optimizers", "checkpoint", "plan_buckets", "state_bytes",
+__all__ = ["Bucket", "NodeState", "PER_PARAMETER", "checkpoint", "plan_buckets", "state_bytes",
            "table"]

@@ -4,7 +4,7 @@ Each rank holds the gradients of the parameters it owns, so a norm taken on one 
 routes every clip through the precision plugin: ``Trainer(gradient_clip_val=...)`` and ``self.clip_gradients(...)``
 (from ``configure_gradient_clipping`` or in manual optimization) end in ``clip_grad_by_norm`` or
 ``clip_grad_by_value``. HorizonPrecision's ``clip_grad_by_norm`` takes the norm from the training state, summed over
-the shards; for any other plugin :class:`ShardedClipping` gives the plugin, for the fit, one that does the same.
+the shards; for any other plugin :func:`clip` does the same, as the part's ``clip_gradients`` hook (parts.py).
 Clipping by value is per element: every share clips alike as it is, and a rank that holds none of an optimizer's
 gradients has nothing to clip (torch's ``clip_grad_value_`` raises on an empty list, so the plugin's is called only
 where there is a gradient). A call to ``torch.nn.utils.clip_grad_norm_`` in the LightningModule cannot be reached
@@ -18,7 +18,9 @@ import re
 from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 
+from lightning_horizon.precision import HorizonPrecision
 from lightning_horizon.state import TrainingState
 
 #: the LightningModule hooks that run between backward and the step, where a user clips
@@ -26,35 +28,20 @@ HOOKS = ("training_step", "on_after_backward", "on_before_optimizer_step", "conf
 _DIRECT = re.compile(r"\bclip_grad_norm_?\s*\(")
 
 
-class ShardedClipping:
-    """The plugin's clipping for the fit: ``clip_grad_by_norm`` by the norm over every rank's share
-    (``TrainingState.grad_norm``), ``clip_grad_by_value`` on the gradients this rank holds, if any."""
+def clip(plugin: Any, training_state: TrainingState, optimizer: Any, clip_val: float, algorithm: Any) -> bool:
+    """The node-sharded part of a clip (the ``clip_gradients`` hook of the parts contract): True when done here.
 
-    def __init__(self, plugin: Any, training_state: TrainingState) -> None:
-        self.plugin, self.training_state = plugin, training_state
-        self._installed: list[str] = []
-
-    def install(self) -> None:
-        names = ["clip_grad_by_value"]
-        if getattr(self.plugin, "training_state", None) is not self.training_state:
-            names.append("clip_grad_by_norm")  # HorizonPrecision's own already asks the training state
-        for name in names:
-            setattr(self.plugin, name, getattr(self, name))  # this instance only, until teardown
-        self._installed = names
-
-    def clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
-        params = list(self.plugin.main_params(optimizer))
-        self.training_state.clip(params, clip_val, self.training_state.grad_norm(params))
-
-    def clip_grad_by_value(self, optimizer: Any, clip_val: float) -> None:
-        # per element, no collective: a rank owning none of this optimizer's gradients skips it alone
-        if any(p.grad is not None for p in self.plugin.main_params(optimizer)):
-            type(self.plugin).clip_grad_by_value(self.plugin, optimizer, clip_val)  # the plugin's own
-
-    def uninstall(self) -> None:
-        for name in self._installed:
-            delattr(self.plugin, name)  # the class's method again
-        self._installed = []
+    By norm: the norm over every rank's share (``TrainingState.grad_norm``); HorizonPrecision's own
+    ``clip_grad_by_norm`` already takes it there (and records it), so it clips. By value, per element: every share
+    clips alike as it is, through the plugin's own; a rank that holds none of the optimizer's gradients has nothing
+    to clip."""
+    params = list(plugin.main_params(optimizer))
+    if algorithm == GradClipAlgorithmType.VALUE:
+        return not any(p.grad is not None for p in params)
+    if isinstance(plugin, HorizonPrecision):
+        return False
+    training_state.clip(params, clip_val, training_state.grad_norm(params))
+    return True
 
 
 def warn_direct_clipping(module: Any) -> None:

@@ -4,11 +4,9 @@ exactly as the replicated run would have stepped them."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
-
-from lightning_horizon.optim import torch_optimizer
 
 #: torch's per-parameter optimizers (each parameter's update depends on its own gradient and state only)
 PER_PARAMETER = tuple(
@@ -19,17 +17,14 @@ PER_PARAMETER = tuple(
 )
 
 
-def check_optimizers(optimizers: list[Any]) -> None:
-    """Raise ``ValueError`` naming the first optimizer whose update is not per parameter (or is not known to be)."""
-    for opt in optimizers:
-        opt = torch_optimizer(opt)
-        if not isinstance(opt, PER_PARAMETER):
-            raise ValueError(
-                f"HorizonStrategy(state='node_sharded') cannot step {type(opt).__name__}: each rank steps only the"
-                " parameters it owns, which is exact for optimizers whose update of a parameter reads only its own"
-                f" gradient and state; allowed are {', '.join(c.__name__ for c in PER_PARAMETER)}."
-                " Use state='replicated' with this optimizer"
-            )
+def why_not(optimizer: Any) -> Optional[str]:
+    """Why node-sharded state cannot step ``optimizer`` (torch's), or None: its update is not per parameter (or is
+    not known to be)."""
+    if isinstance(optimizer, PER_PARAMETER):
+        return None
+    return ("each rank steps only the parameters it owns, which is exact for optimizers whose update of a parameter"
+            f" reads only its own gradient and state; allowed are {', '.join(c.__name__ for c in PER_PARAMETER)}."
+            " Use state='replicated' with this optimizer")
 
 
-__all__ = ["PER_PARAMETER", "check_optimizers"]
+__all__ = ["PER_PARAMETER", "why_not"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from types import MappingProxyType
 from typing import Any, Optional, Union
 
 import torch.distributed as dist
@@ -19,13 +20,13 @@ from torch import Tensor, nn
 
 from lightning_horizon.node_state.accounting import state_bytes, table
 from lightning_horizon.node_state.broadcast_params import BroadcastParameters
-from lightning_horizon.node_state.clipping import ShardedClipping, warn_direct_clipping
-from lightning_horizon.node_state.optimizers import check_optimizers
+from lightning_horizon.node_state.clipping import clip, warn_direct_clipping
+from lightning_horizon.node_state.optimizers import why_not
 from lightning_horizon.node_state.ownership import Bucket, plan_buckets
 from lightning_horizon.node_state.reduce import OwnerReduce
 from lightning_horizon.node_state.shared_params import SharedParameters
 from lightning_horizon.optim import torch_optimizer
-from lightning_horizon.parts import Part
+from lightning_horizon.parts import GRADIENTS, PARAMETERS, Part
 from lightning_horizon.precision import HorizonPrecision
 from lightning_horizon.state import TrainingState
 from lightning_horizon.topology import ProcessGroups
@@ -35,6 +36,10 @@ log = logging.getLogger(__name__)
 
 class NodeState(Part):
     """One copy of the weights per node, optimizer state and gradients split between the node's ranks."""
+
+    label = "HorizonStrategy(state='node_sharded')"
+    takes = MappingProxyType({PARAMETERS: "one copy per node, owned in shares",
+                              GRADIENTS: "each bucket reduced to its owner, then across nodes"})
 
     def __init__(self, module: nn.Module, groups: ProcessGroups, cap_bytes: int, training_state: TrainingState,
                  precision: Any = None, weights: str = "shared") -> None:
@@ -56,7 +61,6 @@ class NodeState(Part):
         # rank and are saved here, per rank (the checkpoint's precision state holds rank 0's)
         self._precision = precision if isinstance(precision, HorizonPrecision) else None
         self._rounding: Optional[dict[str, Any]] = None  # loaded, applied before the next optimizer step
-        self._clip: Optional[ShardedClipping] = None
 
     def install(self) -> None:
         """Collective: every rank, at the same point of setup, before the optimizers and the precision connect."""
@@ -66,17 +70,17 @@ class NodeState(Part):
         self.reducer = OwnerReduce(self.buckets, self.topology, self.groups.inter)
         self.training_state.shard(self.owns, self.groups.intra)
 
+    def refuses(self, optimizer: Any) -> Optional[str]:
+        return why_not(optimizer)
+
     def connect(self, trainer: Any, module: nn.Module, optimizers: list[Any]) -> None:
         """Once the optimizers exist (every rank): optimizers it can step, holding state for this rank's parameters
-        only, a norm clipping that sees the whole gradient, rank 0's buffers (DDP's constructor broadcasts them),
+        only, a warning for a clip that cannot see the whole gradient, rank 0's buffers (DDP's constructor broadcasts them),
         the memory table."""
-        check_optimizers(optimizers)
         for opt in optimizers:
             opt = torch_optimizer(opt)
             for p in [p for p in opt.state if not self.owns(p)]:
                 del opt.state[p]  # made eagerly (Adagrad's constructor); this rank never steps it
-        self._clip = ShardedClipping(trainer.precision_plugin, self.training_state)
-        self._clip.install()
         warn_direct_clipping(module)
         for b in module.buffers():
             dist.broadcast(b, src=0)
@@ -101,6 +105,9 @@ class NodeState(Part):
 
     # ------------------------------------------------------------------ the step
 
+    def clip_gradients(self, plugin: Any, optimizer: Any, clip_val: float, algorithm: Any) -> bool:
+        return clip(plugin, self.training_state, optimizer, clip_val, algorithm)  # by the whole gradient's norm
+
     def pre_backward(self, sync: bool) -> None:
         assert self.reducer is not None
         self.reducer.pre_backward(sync)
@@ -117,7 +124,7 @@ class NodeState(Part):
             self._precision.load_rounding_state(self._rounding)
         self._rounding = None
 
-    def optimizer_stepped(self) -> None:
+    def optimizer_stepped(self, optimizer: Any) -> None:
         """The owners' updates reach every rank of the node before any of them reads the weights again."""
         self.weights.after_step()
 
@@ -142,9 +149,6 @@ class NodeState(Part):
             self.reducer = None
         self.weights.uninstall()
         self.training_state.unshard()
-        if self._clip is not None:
-            self._clip.uninstall()
-            self._clip = None
 
 
 __all__ = ["NodeState"]

@@ -56,6 +56,8 @@ class GraphSharder(Part):
             (``False`` under the out-of-core store, which keeps them on disk: only the layer in use is in memory).
     """
 
+    label = "HorizonStrategy(sharding=...)"
+
     def __init__(
         self,
         config: Union[None, str, ShardingConfig] = None,

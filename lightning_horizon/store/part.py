@@ -11,19 +11,20 @@ Teardown gives the parameters private memory back and removes the subfolder.
 from __future__ import annotations
 
 import logging
+from types import MappingProxyType
 from typing import Any, Callable, Optional
 
 from torch import nn
 
 from lightning_horizon.memory.probe import fmt_bytes
 from lightning_horizon.optim import torch_optimizer
-from lightning_horizon.parts import Part
+from lightning_horizon.parts import PARAMETERS, Part
 from lightning_horizon.state import TrainingState
 from lightning_horizon.store.config import StoreConfig
 from lightning_horizon.store.folder import FitFolder
 from lightning_horizon.store.probe import DiskBandwidth, disk_bandwidth, probe_size
 from lightning_horizon.store.reserve import describe, merge, state_kinds
-from lightning_horizon.store.step import StreamedStep, backward_step_conflicts, check_optimizers
+from lightning_horizon.store.step import StreamedStep, backward_step_conflicts, why_not
 from lightning_horizon.store.files import io_counters
 from lightning_horizon.store.store import StateStore
 from lightning_horizon.store.units import plan_units
@@ -37,6 +38,9 @@ PIN_BELOW = 0.85
 
 class OutOfCore(Part):
     """The out-of-core store of one rank and what it measures."""
+
+    label = "HorizonStrategy(state_store=...)"
+    takes = MappingProxyType({PARAMETERS: "the weights, masters and optimizer state in files, streamed per layer"})
 
     def __init__(self, config: StoreConfig, training_state: TrainingState, rank: int,
                  sharder: Callable[[], Any] = lambda: None, budgeted: bool = False) -> None:
@@ -79,13 +83,15 @@ class OutOfCore(Part):
             raise
         self.training_state.store = self.store
 
+    def refuses(self, optimizer: Any) -> Optional[str]:
+        return why_not(optimizer)
+
     def connect(self, trainer: Any, module: nn.Module, optimizers: list[Any]) -> None:
         """Once the optimizers exist: when the step runs (the trainer and its precision plugin say what is in the way
         of stepping in backward), reserve, probe, the layer-by-layer step, the plan table."""
         precision = trainer.precision_plugin
         store = self.store
         assert store is not None and self.folder is not None
-        check_optimizers(optimizers)
         conflicts = backward_step_conflicts(trainer, optimizers, precision)
         if self.config.step == "in_backward" and conflicts:
             raise ValueError(f"StoreConfig(step='in_backward') cannot run this fit's optimizer step in backward:"

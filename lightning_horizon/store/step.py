@@ -123,21 +123,18 @@ class StreamedStep:
             self.optimizer.__dict__["step"] = self._previous
 
 
-def check_optimizers(optimizers: list[Any]) -> None:
-    """Refuse, naming it, an optimizer whose step needs the closure: LBFGS evaluates forward and backward again
-    inside its step and moves all parameters along one direction of the whole model, where the streamed step runs the
-    closure once and then steps one unit at a time, each unit's state in memory only for its own step."""
-    for opt in optimizers:
-        opt = torch_optimizer(opt)
-        if isinstance(opt, LBFGS) or _needs_closure(type(opt).step):
-            name = type(opt).__name__
-            raise ValueError(
-                f"HorizonStrategy(state_store=...) cannot step {name}: its step needs the closure (it may evaluate"
-                " forward and backward again inside the step, as LBFGS does), while the out-of-core store runs the"
-                " closure once and then steps the parameters layer by layer, streaming each layer's state in and"
-                f" out. Use state_store=None with {name}, or an optimizer that steps each parameter on its own (SGD,"
-                " Adam, AdamW, ...) with the store"
-            )
+def why_not(optimizer: Optimizer) -> Optional[str]:
+    """Why the streamed step cannot step ``optimizer``, or None: LBFGS, or any step that needs the closure, evaluates
+    forward and backward again inside its step and moves all parameters along one direction of the whole model,
+    where the streamed step runs the closure once and then steps one unit at a time, each unit's state in memory
+    only for its own step."""
+    if not (isinstance(optimizer, LBFGS) or _needs_closure(type(optimizer).step)):
+        return None
+    name = type(optimizer).__name__
+    return ("its step needs the closure (it may evaluate forward and backward again inside the step, as LBFGS does),"
+            " while the out-of-core store runs the closure once and then steps the parameters layer by layer,"
+            f" streaming each layer's state in and out. Use state_store=None with {name}, or an optimizer that steps"
+            " each parameter on its own (SGD, Adam, AdamW, ...) with the store")
 
 
 def _needs_closure(step: Callable[..., Any]) -> bool:
@@ -181,4 +178,4 @@ def backward_step_conflicts(trainer: Any, optimizers: list[Any], precision: Any)
     return out
 
 
-__all__ = ["StreamedStep", "backward_step_conflicts", "check_optimizers"]
+__all__ = ["StreamedStep", "backward_step_conflicts", "why_not"]

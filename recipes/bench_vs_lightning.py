@@ -4,6 +4,7 @@
     python recipes/bench_vs_lightning.py --config recipes/configs/tiny.yaml --steps 10 --rounds 1   # a quick look
     python recipes/bench_vs_lightning.py --smoke --layouts 1x2 --layout-arms lightning-32           # CI: seconds
     python recipes/bench_vs_lightning.py --arms horizon,horizon-foreach,horizon-compile,lightning-32  # one question
+    python recipes/bench_vs_lightning.py --arms lightning-32,horizon,horizon-nopin,horizon-noback,horizon-noplugin,horizon-nostrategy  # the defaults one at a time
     # a CPU without native bf16 (oneDNN capped at AVX2: bf16 matmuls emulated), reproduced on one with it:
     ONEDNN_MAX_CPU_ISA=AVX2 python recipes/bench_vs_lightning.py --arms lightning-32,lightning-bf16,horizon --warmup 1 --steps 3 --rounds 1
     python recipes/bench_vs_lightning.py --layouts all --rounds 1    # every layout (ranks x threads) of this machine
@@ -77,6 +78,12 @@ ARMS: dict[str, dict[str, Any]] = {
     "horizon-compile": {"kind": "horizon", "procs": 1, "model": {"compile": True}},
     "horizon-sdpa": {"kind": "horizon", "procs": 1, "model": {"attention": "sdpa"}},
     "horizon-nopin": {"kind": "horizon", "procs": 1, "strategy": {"pin_cores": False}},
+    # the defaults one at a time against plain Lightning (where a tax comes from): GradNormBackoff replaced by
+    # Lightning's gradient_clip_val=1.0; HorizonPrecision replaced by Lightning's precision of the same compute
+    # (32-true, or bf16-mixed where "auto" computes in bf16); Lightning's own strategy with our plugin and callback
+    "horizon-noback": {"kind": "horizon", "procs": 1, "backoff": False},
+    "horizon-noplugin": {"kind": "horizon", "procs": 1, "precision": "same"},
+    "horizon-nostrategy": {"kind": "horizon", "procs": 1, "strategy": "auto"},
     "horizon-jemalloc": {"kind": "horizon", "procs": 1, "preload": "jemalloc"},
     # jemalloc with the settings intel-extension-for-pytorch's launcher uses: never hand pages back to the OS
     "horizon-jemalloc-retain": {"kind": "horizon", "procs": 1, "preload": "jemalloc",
@@ -114,8 +121,10 @@ def arm_spec(name: str) -> dict[str, Any]:
         if arm["kind"] == "lightning":  # Lightning has no threads option: OMP_NUM_THREADS, as its launcher sets it
             arm["strategy"] = "ddp" if lay.ranks > 1 else "auto"
             arm["env"] = {**arm.get("env", {}), "OMP_NUM_THREADS": str(lay.threads)}
-        else:
+        elif isinstance(arm.get("strategy", {}), dict):
             arm["strategy"] = {**arm.get("strategy", {}), "threads_per_rank": lay.threads}
+        else:
+            raise ValueError(f"arm {name!r}: {base!r} runs Lightning's own strategy, which has no layout")
     return arm
 
 
@@ -150,8 +159,16 @@ def _trainer_kwargs(arm: dict[str, Any], steps: int, timer: Any) -> dict[str, An
                 "callbacks": [timer]}
     from lightning_horizon.precision import HorizonPrecision
 
-    return {**common, "strategy": HorizonStrategy(**arm.get("strategy", {})), "plugins": [HorizonPrecision("auto", compute=arm.get("compute",
-            "auto"))], "callbacks": [GradNormBackoff(max_norm=1.0), timer]}
+    plugin = HorizonPrecision("auto", compute=arm.get("compute", "auto"))
+    strategy = arm.get("strategy", {})
+    out = {**common, "strategy": HorizonStrategy(**strategy) if isinstance(strategy, dict) else strategy,
+           "plugins": [plugin], "callbacks": [GradNormBackoff(max_norm=1.0), timer]}
+    if arm.get("precision") == "same":  # Lightning's precision plugin, computing what HorizonPrecision would
+        del out["plugins"]
+        out["precision"] = "bf16-mixed" if plugin.compute == "bf16" else "32-true"
+    if arm.get("backoff") is False:
+        out["callbacks"], out["gradient_clip_val"] = [timer], 1.0
+    return out
 
 
 def worker(args: argparse.Namespace) -> None:

@@ -346,6 +346,22 @@ def test_bench_layout_arms():
         bench.arm_spec("lightning-64@2x1")
     with pytest.raises(ValueError, match="RANKSxTHREADS"):
         bench.arm_spec("horizon@2")
+    with pytest.raises(ValueError, match="Lightning's own strategy"):
+        bench.arm_spec("horizon-nostrategy@2x1")
+    # the defaults one at a time: each arm differs from "horizon" in the one part it names
+    from lightning_horizon import HorizonPrecision
+
+    def built(name):
+        kw = bench._trainer_kwargs(bench.arm_spec(name), 3, timer=None)
+        return (type(kw["strategy"]).__name__ if not isinstance(kw["strategy"], str) else kw["strategy"],
+                [type(p).__name__ for p in kw.get("plugins", [])], kw.get("precision"),
+                [type(c).__name__ for c in kw["callbacks"] if c is not None], kw.get("gradient_clip_val"))
+
+    same = "bf16-mixed" if HorizonPrecision("auto").compute == "bf16" else "32-true"
+    assert built("horizon") == ("HorizonStrategy", ["HorizonPrecision"], None, ["GradNormBackoff"], None)
+    assert built("horizon-noback") == ("HorizonStrategy", ["HorizonPrecision"], None, [], 1.0)
+    assert built("horizon-noplugin") == ("HorizonStrategy", [], same, ["GradNormBackoff"], None)
+    assert built("horizon-nostrategy") == ("auto", ["HorizonPrecision"], None, ["GradNormBackoff"], None)
 
 # ---------------------------------------------------------------------- every recipe script runs, tiny settings
 # (bench_vs_lightning: test_bench_smoke above; pretrain_gpt and risk_classifier: their tests above)

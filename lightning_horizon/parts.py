@@ -20,10 +20,12 @@ Lifecycle, as HorizonStrategy drives it:
 - ``clip_gradients(plugin, optimizer, clip_val, algorithm)``: every clip of the fit, whichever path asked for it
   (``Trainer(gradient_clip_val=...)``, ``self.clip_gradients`` from ``configure_gradient_clipping`` or in manual
   optimization: all end in the precision plugin's ``clip_gradients``, which the registry routes here from
-  ``connect`` to ``teardown``, :meth:`Parts.route_clipping`); True: the part clipped, the plugin's own clip does not run; False (default): it does.
+  ``connect`` to ``teardown``, :meth:`Parts.route_clipping`); True: the part clipped, the plugin's own clip does not
+  run; False (default): it does.
 - ``gradients_ready()``: inside every optimizer step, after its closure (forward, backward) and before the
   optimizer reads the gradients (with LBFGS after each of its closure calls).
-- ``optimizer_stepped(optimizer)``: after every optimizer step (``optimizer``: the one that stepped), before anything reads the weights again.
+- ``optimizer_stepped(optimizer)``: after every optimizer step (``optimizer``: the one that stepped), before
+  anything reads the weights again.
 - ``after_optimizer_step()``: after the optimizer step of every batch that steps (accounting, local SGD's
   periodic average, re-plans); in manual optimization once per batch, after ``training_step`` and so after
   all of its optimizer steps.

@@ -4,7 +4,9 @@
     python recipes/bench_vs_lightning.py --config recipes/configs/tiny.yaml --steps 10 --rounds 1   # a quick look
     python recipes/bench_vs_lightning.py --smoke --layouts 1x2 --layout-arms lightning-32           # CI: seconds
     python recipes/bench_vs_lightning.py --arms horizon,horizon-foreach,horizon-compile,lightning-32  # one question
-    python recipes/bench_vs_lightning.py --arms lightning-32,horizon,horizon-nopin,horizon-noback,horizon-noplugin,horizon-nostrategy  # the defaults one at a time
+    # the defaults one at a time (each arm replaces one part by plain Lightning's):
+    python recipes/bench_vs_lightning.py --arms lightning-32,horizon,horizon-nopin,horizon-noback,horizon-noplugin,
+        horizon-nostrategy
     # a CPU without native bf16 (oneDNN capped at AVX2: bf16 matmuls emulated), reproduced on one with it:
     ONEDNN_MAX_CPU_ISA=AVX2 python recipes/bench_vs_lightning.py --arms lightning-32,lightning-bf16,horizon --warmup 1 --steps 3 --rounds 1
     python recipes/bench_vs_lightning.py --layouts all --rounds 1    # every layout (ranks x threads) of this machine

@@ -64,8 +64,9 @@ def test_a_part_implements_the_contract():
         def state_dict(self):
             return {}
 
-    missing = ("label, takes, refuses, connect, after_setup, before_training_step, after_training_step, pre_backward, post_backward,"
-               " clip_gradients, gradients_ready, optimizer_stepped, after_optimizer_step, before_save, comm_metrics, load_state_dict, teardown")
+    missing = ("label, takes, refuses, connect, after_setup, before_training_step, after_training_step, pre_backward,"
+               " post_backward, clip_gradients, gradients_ready, optimizer_stepped, after_optimizer_step, before_save,"
+               " comm_metrics, load_state_dict, teardown")
     with pytest.raises(TypeError, match=rf"part 'x'=Incomplete: .*missing {missing} .*lightning_horizon.parts.Part"):
         Parts().add("x", Incomplete())
 

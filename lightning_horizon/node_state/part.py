@@ -75,8 +75,8 @@ class NodeState(Part):
 
     def connect(self, trainer: Any, module: nn.Module, optimizers: list[Any]) -> None:
         """Once the optimizers exist (every rank): optimizers it can step, holding state for this rank's parameters
-        only, a warning for a clip that cannot see the whole gradient, rank 0's buffers (DDP's constructor broadcasts them),
-        the memory table."""
+        only, a warning for a clip that cannot see the whole gradient, rank 0's buffers (DDP's constructor broadcasts
+        them), the memory table."""
         for opt in optimizers:
             opt = torch_optimizer(opt)
             for p in [p for p in opt.state if not self.owns(p)]:

@@ -111,8 +111,12 @@ def plan(ex: dict) -> Plan:
         return p
     role = "ddp" if "ddp" in p.refs else "twin"
     ref = p.refs[role]
+    # "ddp" resumes from this fit's own checkpoint: the resume itself is compared, from the same state. The
+    # checkpoints are compared on their own (compare.py, "ddp:ckpt_*"); resuming each from its own would compound
+    # their float64 rounding (within 1e-9) through the resumed steps (LBFGS with a strong clip: 1e-10 -> 1e-5)
+    source = p.main if role == "ddp" else ref
     p.resumed_ref = spec(ref["engine"], relayout(ref["ex"], r["layout"]), steps=steps,
-                         resume_from=ckpt_path(ref, r["from"]), lifecycle=False, perturb=plant)
+                         resume_from=ckpt_path(source, r["from"]), lifecycle=False, perturb=plant)
     p.resumed_against = ("resumed_ref", tolerance(role, ex))
     return p
 

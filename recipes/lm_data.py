@@ -76,8 +76,10 @@ def build_token_file(corpus: Optional[str], cache_dir: Path, max_bytes: int) -> 
     for f in files:
         st = f.stat()
         key.update(f"{f.relative_to(root)}|{st.st_size}|{st.st_mtime_ns}".encode())
-    stem = cache_dir / f"{root.name or 'corpus'}-{key.hexdigest()[:16]}"
-    path, meta_path = stem.with_suffix(".bin"), stem.with_suffix(".json")
+    stem = f"{root.name or 'corpus'}-{key.hexdigest()[:16]}"
+    # appended, not Path.with_suffix: the standard library's folder is "python3.11", whose ".11-<key>" would be
+    # taken for a suffix and replaced, so that every size and file set shared one "python3.bin"
+    path, meta_path = cache_dir / f"{stem}.bin", cache_dir / f"{stem}.json"
     if path.exists() and meta_path.exists():
         return path, json.loads(meta_path.read_text())
     cache_dir.mkdir(parents=True, exist_ok=True)

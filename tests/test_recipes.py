@@ -177,6 +177,24 @@ def test_corpus_cache_and_split_are_deterministic(tmp_path):
         lm_data.ByteCorpusDataModule(val_fraction=0.9)
 
 
+def test_a_dotted_corpus_folder_gets_a_cache_file_per_size_and_content(tmp_path):
+    """The standard library's folder is named like "python3.11": each size asked for (the tests' 1 MiB, the recipe's
+    32 MiB) and each edit has a file of its own, holding what was asked for."""
+    corpus = tmp_path / "python3.11"
+    corpus.mkdir()
+    for i in range(4):
+        (corpus / f"m{i}.py").write_text(f"x = {i}\n" * 2000)
+    cache = tmp_path / "cache"
+    small, small_meta = lm_data.build_token_file(str(corpus), cache, 20_000)
+    large, large_meta = lm_data.build_token_file(str(corpus), cache, 1 << 20)
+    assert small != large and small.name.startswith("python3.11-") and small.suffix == ".bin"
+    n = 20_000 + len(lm_data._SEPARATOR)  # the cap, then the separator after the file it cut
+    assert (small_meta["max_bytes"], small_meta["tokens"], small.stat().st_size) == (20_000, n, n)
+    assert large_meta["max_bytes"] == 1 << 20 and large_meta["files"] == 4 == lm_data.build_token_file(
+        str(corpus), cache, 1 << 20)[1]["files"]
+    assert lm_data.build_token_file(str(corpus), cache, 20_000) == (small, small_meta)  # found again, each
+
+
 def test_default_corpus_lists_what_rglob_lists_without_walking_skipped_folders(tmp_path, monkeypatch):
     """The standard library's listing (run in every process that finds its cached file) never lists site-packages
     or __pycache__, gives rglob's files in rglob's order, and an edited, added or removed file still rebuilds."""

@@ -3,6 +3,7 @@ checks): before a launcher starts a process or a group. The parts are built from
 
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -30,11 +31,6 @@ class HorizonOptions:
     node_weights: str
     state_checkpoint: str
     store: Optional[StoreConfig]
-
-    #: the strategy's own arguments that :meth:`resolve` takes by the same names
-    ARGUMENTS = ("ranks_per_node", "bucket_size_mb", "timeout", "process_group_backend", "pin_cores",
-                 "threads_per_rank", "sharding", "collectives", "compression", "sync_every", "sync_warmup_steps",
-                 "torus_shape", "cost_model", "state", "node_weights", "state_checkpoint", "state_store")
 
     @property
     def bucket_bytes(self) -> int:
@@ -70,4 +66,8 @@ class HorizonOptions:
                    node_weights=node_weights, state_checkpoint=state_checkpoint, store=store)
 
 
-__all__ = ["HorizonOptions"]
+#: the strategy's arguments that :meth:`HorizonOptions.resolve` takes by the same names (its signature, less what
+#: the strategy gathers itself)
+ARGUMENTS = tuple(n for n in inspect.signature(HorizonOptions.resolve).parameters if n not in ("ddp_kwargs", "named"))
+
+__all__ = ["ARGUMENTS", "HorizonOptions"]

@@ -26,7 +26,7 @@ from lightning_horizon.precision import HorizonPrecision
 from lightning_horizon.state import TrainingState
 from lightning_horizon.sharding import ShardingConfig
 from lightning_horizon.node_state import NodeState
-from lightning_horizon.options import HorizonOptions
+from lightning_horizon.options import ARGUMENTS, HorizonOptions
 from lightning_horizon.strategy_args import ccl_available, check_world, register_names
 from lightning_horizon.strategy_checkpoint import StrategyCheckpoint
 from lightning_horizon.store import StoreConfig
@@ -77,9 +77,9 @@ class HorizonStrategy(DDPStrategy):
         state_checkpoint: str = "full", state_store: Union[None, str, os.PathLike, StoreConfig] = None, **kwargs: Any,
     ) -> None:
         # Every check runs here, in the Trainer's constructor: before a launcher starts a process or a group.
-        arguments = {k: v for k, v in locals().items() if k in HorizonOptions.ARGUMENTS}
+        arguments = {k: v for k, v in locals().items() if k in ARGUMENTS}
         #: the strategy's own options, checked and resolved (options.py); the parts are built from them
-        self.options = HorizonOptions.resolve(**arguments, checkpoint_io=checkpoint_io, ddp_kwargs=kwargs,
+        self.options = HorizonOptions.resolve(**arguments, ddp_kwargs=kwargs,
                                               named=set(inspect.signature(HorizonStrategy.__init__).parameters))
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,

@@ -26,9 +26,10 @@ import torch
 
 from lightning_horizon import HorizonStrategy
 from lightning_horizon.memory import training_memory
-from lightning_horizon.node_state import PER_PARAMETER, plan_buckets
+from lightning_horizon.node_state import PER_PARAMETER, NodeState, plan_buckets
 from lightning_horizon.node_state.optimizers import why_not
 from lightning_horizon.node_state.checkpoint import local_part, merge, owned_optimizer_state
+from lightning_horizon.parts import Part, Parts
 from tests.launch import REPO, run_scripts
 from tests.pairwise import all_pairs
 
@@ -70,6 +71,11 @@ def test_optimizers_that_are_not_per_parameter_are_refused():
     p = [torch.nn.Parameter(torch.zeros(2))]
     assert [why_not(cls(p, lr=0.1)) for cls in (torch.optim.SGD, torch.optim.AdamW, torch.optim.Adagrad)] == [None] * 3
     assert "AdamW" in why_not(torch.optim.LBFGS(p))
+    # as the part declares it, refused by the registry at setup, naming both
+    parts = Parts()
+    parts.add("node_state", type("Node", (Part,), {"label": NodeState.label, "refuses": lambda self, o: why_not(o)})())
+    with pytest.raises(ValueError, match=r"^HorizonStrategy\(state='node_sharded'\) cannot step LBFGS: .*AdamW"):
+        parts.check([torch.optim.LBFGS(p)])
     assert torch.optim.LBFGS not in PER_PARAMETER
 
 

@@ -110,11 +110,12 @@ class TrainingState:
         return tensor if self.store is None else self.store.place(param, kind, tensor)
 
     def stream(self, params: Iterable[Tensor], dirty: bool = False,
-               kinds: tuple[str, ...] = ("grad",)) -> Iterable[Tensor]:
-        """``params`` in order; under out-of-core training one layer's ``kinds`` at a time is brought in ahead and
-        released behind (written back when the caller wrote to them: ``dirty``)."""
+               kinds: tuple[str, ...] = ("grad",)) -> Iterable[list[Tensor]]:
+        """``params`` in order, in runs that are in memory together (one pass over memory, a foreach op, per run): all
+        of them at once; under out-of-core training one layer's, its ``kinds`` brought in ahead and released behind
+        (written back when the caller wrote to them: ``dirty``)."""
         if self.store is None:
-            return params
+            return [list(params)]
         return self.store.stream(params, self.parameter_of, dirty, kinds)
 
     def settle(self, optimizer: Any, params: Iterable[Tensor]) -> None:

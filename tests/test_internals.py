@@ -3,6 +3,7 @@ with its reason). An upgrade that renames or reshapes one fails here, by name, i
 """
 
 import inspect
+import os
 
 import torch
 import torch.distributed as dist
@@ -267,15 +268,22 @@ def test_callback_state_key_format():
 
 
 def test_progress_bar_metrics_is_the_dict_the_bar_shows():
-    """ThroughputMFUMonitor writes ``tok/s`` as an int into ``trainer.progress_bar_metrics``: the bar shows it."""
+    """ThroughputMFUMonitor writes ``tok/s`` as a string of digits into ``trainer.progress_bar_metrics``: the bar
+    shows it as it is (tqdm would print the number 20000 as 2e+4, its shorter form)."""
     import lightning as L
     from lightning.pytorch.demos.boring_classes import BoringModel
+    from tqdm import tqdm
 
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                         enable_model_summary=False)
-    trainer.progress_bar_metrics["tok/s"] = 4290
+    trainer.progress_bar_metrics["tok/s"] = "20000"
     shown = trainer.progress_bar_callback.get_metrics(trainer, BoringModel())
-    assert shown["tok/s"] == 4290 and isinstance(shown["tok/s"], int)
+    assert shown["tok/s"] == "20000"
+    with tqdm(total=1, disable=False, file=open(os.devnull, "w")) as bar:
+        bar.set_postfix(shown)
+        assert "tok/s=20000" in bar.postfix
+        bar.set_postfix({"tok/s": 20000})
+        assert "tok/s=2e+4" in bar.postfix  # what a number would show
 
 
 # ---------------------------------------------------------------------------------------- torch
@@ -357,3 +365,20 @@ def test_activation_checkpoint_wrapper_of_the_sharding_benchmark():
     assert type(model[0]).__name__ == "CheckpointWrapper"
     assert [n for n, _ in model.named_parameters()] == ["0._checkpoint_wrapped_module.weight",
                                                          "0._checkpoint_wrapped_module.bias"]
+
+
+def test_foreach_norm_and_mul_match_one_op_per_tensor():
+    """gradnorm.py: one foreach op over all gradients gives each gradient's norm in the accumulation dtype (bf16
+    gradients in fp32), bit for bit ``linalg.vector_norm``'s, and a clip equal to one ``mul_`` per gradient."""
+    torch.manual_seed(0)
+    grads = [torch.randn(n) * s for n, s in ((7, 1e-8), (1000, 1.0), (4096, 1e3))]
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        gs = [g.to(dtype) for g in grads]
+        acc = torch.promote_types(torch.float32, dtype)
+        for ord in (2.0, 1.0, float("inf")):
+            got = torch._foreach_norm(gs, ord, dtype=acc)
+            assert all(torch.equal(a, torch.linalg.vector_norm(g, ord, dtype=acc)) for a, g in zip(got, gs))
+        coef = torch.tensor(0.3).to(dtype)
+        ones = [g.clone() for g in gs]
+        torch._foreach_mul_(ones, coef)
+        assert all(torch.equal(a, g * coef) for a, g in zip(ones, gs))

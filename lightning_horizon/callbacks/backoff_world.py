@@ -43,13 +43,14 @@ def agree_across_ranks(norm: Tensor, node: int = 0, nodes: int = 1) -> tuple[flo
     DDP has averaged the gradients before this point, so the ranks of a node already agree; the all-reduce makes
     the decision identical by construction, even if a rank's gradients differ (e.g. unsynced parameters).
     """
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return (float(norm),) * 2  # one rank: its norm is the world's (NaN and inf as they are), no packing
     value = norm.detach().double().reshape(())  # float64 holds an fp32 or a float64 norm exactly
     finite = bool(torch.isfinite(value))
     packed = torch.zeros(nodes, 3, dtype=torch.float64)
     packed[node] = torch.tensor([value.item() if finite else 0.0, float(bool(torch.isnan(value))),
                                  float(bool(torch.isinf(value)))], dtype=torch.float64)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(packed, op=dist.ReduceOp.MAX)
+    dist.all_reduce(packed, op=dist.ReduceOp.MAX)
     norms = [float("nan") if is_nan else float("inf") if is_inf else v for v, is_nan, is_inf in packed.tolist()]
     world = float("nan") if any(math.isnan(n) for n in norms) else max(norms)
     return world, norms[node]

@@ -183,12 +183,12 @@ class ThroughputMFUMonitor(Callback):
         ``"samples/s"``."""
         return "tok/s" if self._tokens else "samples/s"
 
-    # ------------------------------------------------------------------ setup: the peak
+    # ------------------------------------------------------------------ fit start: the peak
 
     @override
-    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        if stage != "fit":
-            return
+    def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        # after the strategy's setup: the rank's threads are pinned and the precision plugin has seen the model
+        # (HorizonPrecision's "auto" computes in fp32 on narrow matmuls)
         self.compute_dtype = compute_dtype_of(trainer.precision_plugin)
         if not self.peaks and trainer.strategy.root_device.type == "cpu" and self.peak_flops_given is None:
             self.peaks["fp32"] = measure_matmul_peak(torch.float32, self.peak_matmul_sizes)
@@ -259,8 +259,9 @@ class ThroughputMFUMonitor(Callback):
         self.last = {rate: self._rate(figures), **{k[len("device/"):]: v for k, v in figures.items()
                                                    if k in _PER_RANK}}
         if self.prog_bar:
-            # an int shows as one in Lightning's bar; self.log would make it a float tensor (4.29e+3)
-            trainer.progress_bar_metrics[self.unit] = round(self.last[rate])
+            # digits in Lightning's bar: self.log would make it a float tensor (4.29e+3), and tqdm prints a number in
+            # whichever form is shorter (20000 as 2e+4); a string it prints as it is
+            trainer.progress_bar_metrics[self.unit] = str(round(self.last[rate]))
         every = self._summary_every(trainer)
         if every and trainer.global_step % every == 0:
             log.info(f"step {trainer.global_step}: " + self.summary())

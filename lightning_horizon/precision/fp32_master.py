@@ -47,10 +47,11 @@ class FP32MasterPolicy(Bf16TruePolicy):
             out = optimizer.step(**kwargs)
             masters = [m for group in optimizer.param_groups for m in group["params"]]
             with torch.no_grad():  # out-of-core: one layer's masters and weights in memory at a time
-                for m in self.training_state.stream(masters, dirty=True, kinds=("weight", "master")):
-                    p = self.training_state.parameter_of(m)
-                    if p is not m and m.grad is not None:  # a param without grad was not stepped
-                        self.training_state.write(p, m)
+                for run in self.training_state.stream(masters, dirty=True, kinds=("weight", "master")):
+                    for m in run:
+                        p = self.training_state.parameter_of(m)
+                        if p is not m and m.grad is not None:  # a param without grad was not stepped
+                            self.training_state.write(p, m)
             return out
         finally:
             self._swap_masters(optimizer, False, grads=True)

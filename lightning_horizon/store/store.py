@@ -331,21 +331,23 @@ class StateStore:
                 self._dirty.add(key)
 
     def stream(self, params: Iterable[Tensor], key: Callable[[Tensor], Tensor] = lambda p: p, dirty: bool = False,
-               kinds: tuple[str, ...] = (GRAD,)) -> Iterator[Tensor]:
-        """``params`` in their order, the ``kinds`` files of one unit (that of ``key(p)``: a master's parameter) brought
-        in ahead and released behind (written back when the caller wrote to them: ``dirty``)."""
+               kinds: tuple[str, ...] = (GRAD,)) -> Iterator[list[Tensor]]:
+        """``params`` in their order, in runs that share a unit (that of ``key(p)``: a master's parameter): the next
+        unit's ``kinds`` files brought in ahead while the caller works on a run, a run's released when it asks for the
+        next (written back when the caller wrote to them: ``dirty``)."""
         params = list(params)
         units = [self.unit_of.get(id(key(p))) for p in params]
-        current: Optional[Unit] = None
-        for i, (p, u) in enumerate(zip(params, units)):
-            if u is not current:
-                self._leave(current, dirty, kinds)
-                current = u
-                nxt = next((v for v in units[i + 1:] if v is not u and v is not None), None)
-                if nxt is not None:
-                    self.prefetch(nxt, kinds)
-            yield p
-        self._leave(current, dirty, kinds)
+        start = 0
+        for end in range(1, len(params) + 1):
+            if end < len(params) and units[end] is units[start]:
+                continue
+            unit = units[start]
+            nxt = next((v for v in units[end:] if v is not unit and v is not None), None)
+            if nxt is not None:
+                self.prefetch(nxt, kinds)
+            yield params[start:end]
+            self._leave(unit, dirty, kinds)
+            start = end
 
     def _leave(self, u: Optional[Unit], dirty: bool, kinds: tuple[str, ...]) -> None:
         if u is None:

@@ -33,6 +33,13 @@ _ONEDNN_WITHOUT_BF16 = frozenset({"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNN
                                   "AVX512_CORE_VNNI"})
 
 
+#: The narrowest matmuls at which bf16 compute beat fp32 end to end, by ISA name: below this width (the FLOP-weighted
+#: smaller side of a model's weight matrices, precision/compute.py) ``compute="auto"`` computes in fp32. A GPT's
+#: training step, bf16 autocast against fp32, 2 threads (docs/precision.md): n_embd 64 0.70x (Intel Xeon, AMX) and
+#: 0.85x (AMD Zen 4, AVX512-BF16); n_embd 128 1.13x and 1.20x. Arm BF16 is unmeasured: the ISA alone decides there.
+BF16_MIN_WIDTH = {"AMX": 96, "AVX512-BF16": 96}
+
+
 @dataclass(frozen=True)
 class ISA:
     """The vector instruction sets that decide which kernels are fast on this CPU."""
@@ -50,6 +57,11 @@ class ISA:
         """bf16 matmuls run in hardware (AVX512-BF16, AMX, Arm BF16) and oneDNN is not capped below them;
         elsewhere they are emulated and slow."""
         return (self.avx512_bf16 or self.amx or self.arm_bf16) and self.onednn_cap not in _ONEDNN_WITHOUT_BF16
+
+    @property
+    def bf16_min_width(self) -> int:
+        """The narrowest matmul width at which bf16 compute wins here (:data:`BF16_MIN_WIDTH`; 0: any width)."""
+        return BF16_MIN_WIDTH.get(self.name, 0) if self.native_bf16 else 0
 
     @property
     def name(self) -> str:
@@ -105,20 +117,25 @@ def isa() -> ISA:
     )
 
 
-def resolve_compute(compute: str, device_type: str = "cpu") -> tuple[str, str]:
+def resolve_compute(compute: str, device_type: str = "cpu", width: Optional[float] = None) -> tuple[str, str]:
     """The compute dtype ("bf16" or "fp32") for ``compute`` (``"auto"``, ``"bf16"`` or ``"fp32"``) on
-    ``device_type``, and the reason, for the log: ``"auto"`` picks bf16 only where bf16 matmuls run in hardware."""
+    ``device_type``, and the reason, for the log: ``"auto"`` picks bf16 only where bf16 matmuls run in hardware and,
+    given the model's matmul ``width`` (precision/compute.py), where they are wide enough for bf16 to win."""
     if device_type == "cuda":
-        found, ok = "CUDA", torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        found, ok, narrowest = "CUDA", torch.cuda.is_available() and torch.cuda.is_bf16_supported(), 0
     elif device_type == "cpu":
         found_isa = isa()
-        found, ok = found_isa.description, found_isa.native_bf16
+        found, ok, narrowest = found_isa.description, found_isa.native_bf16, found_isa.bf16_min_width
     else:
-        found, ok = device_type, False
+        found, ok, narrowest = device_type, False, 0
     have = "native bf16" if ok else "no native bf16"
     if compute != "auto":
         slow = "" if ok or compute == "fp32" else " (expect bf16 matmuls to be many times slower than fp32)"
         return compute, f"ISA found: {found}; {have}; compute={compute!r} forced{slow}"
+    if ok and width is not None and width < narrowest:
+        return "fp32", (f"ISA found: {found}; {have}, but the model's matmuls are narrow (width {width:.0f} <"
+                        f" {narrowest}, where bf16 is slower than fp32 here) -> fp32 compute; pass compute='bf16'"
+                        " to force")
     if ok:
         return "bf16", f"ISA found: {found}; {have} -> bf16 compute; pass compute='fp32' to force fp32"
     return "fp32", f"ISA found: {found}; {have} -> fp32 compute; pass compute='bf16' to force"

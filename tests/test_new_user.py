@@ -16,7 +16,7 @@ import re
 
 import pytest
 
-from lightning_horizon import HorizonPrecision
+from lightning_horizon.precision import resolve_compute
 
 from tests.launch import REPO, run_script
 
@@ -63,7 +63,8 @@ def test_a_default_short_run_prints_throughput_and_mfu(output):
     # 20 steps under the default log_every_n_steps=50: the end-of-fit line, with FLOPs counted, not declared
     assert re.search(r"GFLOP per batch on rank 0, counted by torch's FlopCounterMode on training batch 2", tokens)
     (line,) = re.findall(r"^fit: 18 steps after 2 warm-up batches .*$", "\n".join(_segments(tokens)), re.M)
-    compute = HorizonPrecision().compute  # the script's plugin: bf16 where this CPU has native bf16, else fp32
+    # the script's model is 32 wide: "auto" computes it in fp32 wherever bf16 was measured to lose at that width
+    compute = resolve_compute("auto", "cpu", width=32)[0]
     figures = rf": [\d,]+ tok/s \| [\d.e-]+ GFLOP/s per rank \(counted on batch 2\) \| MFU [\d.e-]+% of {compute} peak"
     assert re.search(figures, line), line
     bar = re.findall(r"tok/s=([^,\]]+)", tokens)

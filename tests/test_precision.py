@@ -10,7 +10,7 @@ import logging
 import os
 import sys
 import types
-from typing import Iterator
+from typing import Iterator, Optional
 
 import pytest
 import torch
@@ -27,10 +27,14 @@ from lightning_horizon.memory import bytes_per_param, held_bytes
 from lightning_horizon.precision import HorizonPrecision
 
 V, T, D = 32, 16, 32
+#: what "auto" computes in on this CPU by its ISA alone: bf16 where it multiplies bf16 in hardware. The tests' models
+#: are narrower than any width where bf16 wins, where "auto" computes in fp32: the modes below force the ISA's dtype so
+#: that a native-bf16 CPU runs the bf16 compute path (test_auto_computes_narrow_matmuls_in_fp32 checks the width rule)
+ISA_COMPUTE = cpu.resolve_compute("auto")[0]
 MODES = {  # id -> constructor kwargs
-    "bf16-mixed": dict(mode="bf16-mixed"),
-    "true-fp32": dict(mode="bf16-true", master="fp32"),
-    "true-kahan": dict(mode="bf16-true", master="kahan"),
+    "bf16-mixed": dict(mode="bf16-mixed", compute=ISA_COMPUTE),
+    "true-fp32": dict(mode="bf16-true", master="fp32", compute=ISA_COMPUTE),
+    "true-kahan": dict(mode="bf16-true", master="kahan", compute=ISA_COMPUTE),
     "true-fp32-c32": dict(mode="bf16-true", master="fp32", compute="fp32"),
     "true-kahan-c32": dict(mode="bf16-true", master="kahan", compute="fp32"),
 }
@@ -172,6 +176,49 @@ def test_auto_follows_the_isa_and_says_why(monkeypatch):
     assert HorizonPrecision().compute == "bf16"
     monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx2", "amx_bf16", "amx_tile"}))
     assert HorizonPrecision().compute == "bf16"
+
+
+class Wide(L.LightningModule):
+    """Two ``width``-wide Linear layers on random rows: the matmul width "auto" judges."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, width))
+        self.seen: Optional[torch.dtype] = None
+
+    def training_step(self, batch: torch.Tensor, _: int) -> torch.Tensor:
+        out = self.net(batch)
+        self.seen = out.dtype
+        return out.float().pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+def test_auto_computes_narrow_matmuls_in_fp32(monkeypatch):
+    """Where bf16 is native, "auto" computes a model whose matmuls are narrower than where bf16 was measured to win
+    in fp32 (bf16 is slower there), decided from the model at setup and said in the reason; wider ones in bf16;
+    compute="bf16" still forces bf16."""
+    for var in cpu.ONEDNN_ISA_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16"}))  # an AMD Zen 4
+    narrowest = cpu.BF16_MIN_WIDTH["AVX512-BF16"]
+    # the FLOP-weighted smaller side of the weight matrices; an embedding table is a lookup, not a matmul
+    assert hp.matmul_width(nn.Sequential(nn.Embedding(5000, 8), nn.Linear(32, 128), nn.Linear(128, 32))) == 32
+    mixed = nn.Sequential(nn.Linear(64, 64), nn.Linear(512, 256))
+    assert hp.matmul_width(mixed) == pytest.approx((64 * 64 * 64 + 512 * 256 * 256) / (64 * 64 + 512 * 256))
+    assert hp.matmul_width(nn.Sequential(nn.ReLU())) is None
+    for width, want in ((narrowest // 2, "fp32"), (narrowest, "bf16")):
+        plugin, model = HorizonPrecision(), Wide(width)
+        assert plugin.compute == "bf16"  # before setup, without a model: the ISA alone
+        trainer(plugin, steps=1).fit(model, torch.utils.data.DataLoader(torch.randn(8, width), batch_size=8))
+        assert plugin.compute == want and model.seen == (torch.bfloat16 if want == "bf16" else torch.float32)
+        narrow = f"the model's matmuls are narrow (width {width} < {narrowest}"
+        assert (narrow in plugin.reason) == (want == "fp32"), plugin.reason
+    forced, model = HorizonPrecision(compute="bf16"), Wide(narrowest // 2)
+    trainer(forced, steps=1).fit(model, torch.utils.data.DataLoader(torch.randn(8, narrowest // 2), batch_size=8))
+    assert forced.compute == "bf16" and model.seen == torch.bfloat16
 
 
 @contextlib.contextmanager

@@ -15,11 +15,13 @@ everything computes in fp32 (bf16-true then still halves weight memory). Bytes p
 
 The rooms: ``plugin.py`` (HorizonPrecision: validation, the choice of policy, what every mode shares),
 ``policy.py`` (the policy contract), ``mixed.py``, ``bf16_true.py`` (what both bf16-true policies share),
-``fp32_master.py``, ``kahan.py`` (one policy per mode), ``ipex.py`` (the optional IPEX backend). The memory
+``fp32_master.py``, ``kahan.py`` (one policy per mode), ``ipex.py`` (the optional IPEX backend), ``compute.py``
+(how wide a model's matmuls are: ``"auto"`` computes narrow ones in fp32). The memory
 estimates of the modes (``held_bytes``, ``bytes_per_param``) are in ``lightning_horizon.memory``.
 """
 
 from lightning_horizon.cpu import resolve_compute
+from lightning_horizon.precision.compute import matmul_width
 from lightning_horizon.precision.ipex import ipex_status
 from lightning_horizon.precision.plugin import (
     BACKENDS,
@@ -38,5 +40,6 @@ __all__ = [
     "STATE_ROUNDINGS",
     "HorizonPrecision",
     "ipex_status",
+    "matmul_width",
     "resolve_compute",
 ]

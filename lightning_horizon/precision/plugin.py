@@ -23,6 +23,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from lightning_horizon.checks import check_int, check_one_of, is_int, require
 from lightning_horizon.cpu import resolve_compute
+from lightning_horizon.precision.compute import matmul_width
 from lightning_horizon.precision.fp32_master import FP32MasterPolicy
 from lightning_horizon.precision.ipex import ipex_optimize
 from lightning_horizon.precision.kahan import KahanPolicy
@@ -88,18 +89,24 @@ class HorizonPrecision(Precision):
         self.training_state = TrainingState()
         self._policy = choose_policy(self.mode, self.master, self.training_state, state_rounding,
                                      step_chunk_numel, seed)
-        self._resolve_compute("cpu")
         self._module: Optional[Module] = None
+        self._resolve_compute()
         self._pending: Optional[dict[str, Any]] = None  # state loaded before connect()
         self._said: Optional[str] = None  # the policy line last logged
 
-    def _resolve_compute(self, device_type: str) -> None:
-        compute, self.reason = resolve_compute(self.requested_compute, device_type)
+    def _resolve_compute(self) -> None:
+        """The compute dtype and its reason, from the ISA of the device the model is on (the CPU before there is a
+        model) and, once there is one, from how wide its matmuls are."""
+        first = next(iter(self._module.parameters()), None) if self._module is not None else None
+        device_type = first.device.type if first is not None else "cpu"
+        width = matmul_width(self._module) if self._module is not None else None
+        compute, self.reason = resolve_compute(self.requested_compute, device_type, width)
         self._policy.place(compute, device_type)
 
     @property
     def compute(self) -> str:
-        """``"bf16"`` or ``"fp32"``: the dtype the matmuls run in, resolved from the ISA (see :attr:`reason`)."""
+        """``"bf16"`` or ``"fp32"``: the dtype the matmuls run in, resolved from the ISA and, once the plugin has
+        the model (from setup on), from how wide its matmuls are (see :attr:`reason`)."""
         return self._policy.compute
 
     @property  # type: ignore[override]
@@ -130,6 +137,7 @@ class HorizonPrecision(Precision):
     @override
     def convert_module(self, module: Module) -> Module:
         self._module = module
+        self._resolve_compute()  # this model's matmul widths: bf16-true's conversion and connect follow it
         self._policy.convert_module(module)
         return module
 
@@ -139,8 +147,7 @@ class HorizonPrecision(Precision):
     ) -> tuple[Module, list[Optimizer], list[Any]]:
         module = self._module if self._module is not None else model
         self._module = module
-        first = next(iter(module.parameters()), None)
-        self._resolve_compute(first.device.type if first is not None else "cpu")
+        self._resolve_compute()
         if rank_zero_only.rank == 0 and self._said != self.policy:  # not again at each validate, test, predict
             log.info(self.policy)
             self._said = self.policy

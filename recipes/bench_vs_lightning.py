@@ -9,6 +9,8 @@
         horizon-nostrategy
     # a CPU without native bf16 (oneDNN capped at AVX2: bf16 matmuls emulated), reproduced on one with it:
     ONEDNN_MAX_CPU_ISA=AVX2 python recipes/bench_vs_lightning.py --arms lightning-32,lightning-bf16,horizon --warmup 1 --steps 3 --rounds 1
+    # both ISA paths in one run, each in a child process, then horizon / best Lightning per path and round, and MFU:
+    python recipes/bench_vs_lightning.py --paths native,avx2 --arms lightning-32,lightning-bf16,horizon
     python recipes/bench_vs_lightning.py --layouts all --rounds 1    # every layout (ranks x threads) of this machine
     python recipes/bench_vs_lightning.py --layouts 1x2,2x1 --layout-arms lightning-32,horizon
 
@@ -33,6 +35,13 @@ window (/proc/stat minus its own ranks' CPU time); above ``--max-foreign`` (10% 
 repeated, up to ``--retries`` times, and the quietest attempt kept: on a shared machine this is what separates a
 measurement of the arm from a measurement of the neighbours.
 
+Below the table, each horizon arm's tokens/s over the best Lightning arm's, round by round (the two ran minutes
+apart in the same round: a pair shares the machine's state, which drifts by 10% between rounds on a shared VM).
+``--paths native,avx2`` runs the whole bench once per ISA path, each in a child process whose environment sets it
+(``avx2``: ``ONEDNN_MAX_CPU_ISA=AVX2``, a CPU without native bf16; oneDNN reads the cap once per process), then
+prints one row per path: the best Lightning arm, horizon's defaults, their ratio and its per-round pairs, and the
+MFU of both against the peak of the dtype that path computes in.
+
 ``--smoke`` takes the smallest settings (explicit options still win): tiny.yaml, 1 warm-up + 3 measured steps, one
 round, no retries, and the matmul peaks of one size (512) for 0.1 s: figures for a test, not for reading.
 
@@ -55,7 +64,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lightning_horizon.cpu import JEMALLOC_CONF, isa
+from lightning_horizon.cpu import JEMALLOC_CONF, ONEDNN_ISA_VARS, isa
 from lightning_horizon.layout import Layout, Machine, candidates
 from lightning_horizon.layout.tuner import run_worker
 from lightning_horizon.cpu import machine_busy_seconds
@@ -76,6 +85,7 @@ ARMS: dict[str, dict[str, Any]] = {
     "horizon": {"kind": "horizon", "procs": 1},  # the recipe's defaults on one process ("horizon-tuned": its layout)
     "horizon-2x1": {"kind": "horizon", "procs": 2},
     "horizon-fp32": {"kind": "horizon", "procs": 1, "compute": "fp32"},
+    "horizon-bf16": {"kind": "horizon", "procs": 1, "compute": "bf16"},  # "auto" before it judged the model's width
     "horizon-foreach": {"kind": "horizon", "procs": 1, "model": {"optimizer_impl": "foreach"}},
     "horizon-compile": {"kind": "horizon", "procs": 1, "model": {"compile": True}},
     "horizon-sdpa": {"kind": "horizon", "procs": 1, "model": {"attention": "sdpa"}},
@@ -151,8 +161,9 @@ def tuned_layout(cfg: dict[str, Any]) -> tuple[Layout, str]:
 # ---------------------------------------------------------------------------------------------- worker side
 
 
-def _trainer_kwargs(arm: dict[str, Any], steps: int, timer: Any) -> dict[str, Any]:
+def _trainer_kwargs(arm: dict[str, Any], steps: int, timer: Any, model: Any) -> dict[str, Any]:
     from lightning_horizon import GradNormBackoff, HorizonStrategy
+    from lightning_horizon.precision import matmul_width, resolve_compute
 
     common = dict(accelerator="cpu", devices=arm["procs"], max_steps=steps, logger=False, enable_checkpointing=False,
                   enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
@@ -167,7 +178,8 @@ def _trainer_kwargs(arm: dict[str, Any], steps: int, timer: Any) -> dict[str, An
            "plugins": [plugin], "callbacks": [GradNormBackoff(max_norm=1.0), timer]}
     if arm.get("precision") == "same":  # Lightning's precision plugin, computing what HorizonPrecision would
         del out["plugins"]
-        out["precision"] = "bf16-mixed" if plugin.compute == "bf16" else "32-true"
+        compute, _ = resolve_compute(plugin.requested_compute, "cpu", matmul_width(model))  # as its setup will
+        out["precision"] = "bf16-mixed" if compute == "bf16" else "32-true"
     if arm.get("backoff") is False:
         out["callbacks"], out["gradient_clip_val"] = [timer], 1.0
     return out
@@ -222,7 +234,7 @@ def worker(args: argparse.Namespace) -> None:
     L.seed_everything(1337, verbose=False)
     model = GPTPretrain(**model_kw)
     data = ByteCorpusDataModule(**data_kw)
-    trainer = L.Trainer(**_trainer_kwargs(arm, args.warmup + args.steps, Timer()))
+    trainer = L.Trainer(**_trainer_kwargs(arm, args.warmup + args.steps, Timer(), model))
     trainer.fit(model, data)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         # Lightning's DDPStrategy leaves its gloo group to interpreter exit, where gloo's threads can abort the
@@ -292,6 +304,11 @@ def run_arm(name: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     return res
 
 
+def round_pairs(row: dict[str, Any], reference: dict[str, Any]) -> list[float]:
+    """``row``'s tokens/s over ``reference``'s, round by round (each round ran every arm once, back to back)."""
+    return [a / b for a, b in zip(row["rounds"], reference["rounds"])]
+
+
 def matmul_peaks(seconds: float, sizes: tuple[int, ...] = (512, 1024, 2048)) -> dict[str, float]:
     import torch
 
@@ -302,6 +319,77 @@ def matmul_peaks(seconds: float, sizes: tuple[int, ...] = (512, 1024, 2048)) -> 
     bf16_sizes = sizes if isa().native_bf16 else sizes[:1]
     return {"fp32": measure_matmul_peak(torch.float32, sizes, seconds=seconds),
             "bf16": measure_matmul_peak(torch.bfloat16, bf16_sizes, seconds=seconds)}
+
+
+#: --paths: the ISA paths a run can take, and the oneDNN cap each sets in its child's environment (None: no cap)
+PATHS = {"native": None, "avx2": "AVX2"}
+
+
+def drop_option(argv: list[str], name: str) -> list[str]:
+    """``argv`` without ``name`` and its value (``--name v`` or ``--name=v``)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == name:
+            skip = True
+        elif not a.startswith(name + "="):
+            out.append(a)
+    return out
+
+
+def run_paths(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
+    """The whole bench once per ISA path of ``--paths``, each in a child whose environment sets that path (oneDNN
+    reads its cap once per process), then one line per path: horizon's defaults against the best plain Lightning
+    arm, round by round, and the MFU of both against the peak of the dtype that path computes in."""
+    import dataclasses
+    import subprocess
+
+    paths = [x.strip() for x in args.paths.split(",") if x.strip()]
+    bad = [x for x in paths if x not in PATHS]
+    if bad or not paths:
+        raise ValueError(f"--paths={args.paths!r}: allowed are {', '.join(PATHS)}, comma-separated")
+    uncapped = dataclasses.replace(isa(), onednn_cap="")
+    results: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for path in paths:
+            if path == "native" and not uncapped.native_bf16:
+                print(f"path native: {uncapped.description} has no native bf16, so it is the avx2 path", flush=True)
+                if "avx2" in paths:
+                    continue
+            env = {k: v for k, v in os.environ.items() if k not in ONEDNN_ISA_VARS}
+            if PATHS[path]:
+                env["ONEDNN_MAX_CPU_ISA"] = PATHS[path]
+            out = Path(tmp) / f"{path}.json"
+            cmd = [sys.executable, str(Path(__file__).resolve()), *drop_option(drop_option(argv, "--paths"), "--json"),
+                   "--json", str(out)]
+            print(f"\n== path {path}" + (f" (ONEDNN_MAX_CPU_ISA={PATHS[path]})" if PATHS[path] else ""), flush=True)
+            subprocess.run(cmd, env=env, check=True)
+            results[path] = json.loads(out.read_text())
+    print("\n| path | best plain Lightning | horizon defaults | horizon / best | per round | MFU Lightning | MFU horizon |"
+          "\n|---|---|---|---|---|---|---|")
+    for path, res in results.items():
+        print(path_line(path, res))
+    summary = {"paths": results}
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def path_line(path: str, res: dict[str, Any]) -> str:
+    """One row of the per-path summary: the horizon arm against the best Lightning arm of that path's run; MFU
+    against the peak of the dtype the path computes in (bf16 where its matmuls run in hardware, else fp32)."""
+    rows = res["rows"]
+    lightning = [r for r in rows if r["kind"] == "lightning"]
+    horizon = next((r for r in rows if r["arm"] in ("horizon", TUNED)), None)
+    if not lightning or horizon is None:
+        return f"| {path} | - | - | - | - | - | - |"
+    best = max(lightning, key=lambda r: r["tokens_per_sec"])
+    key, peak = ("mfu_bf16", "bf16") if horizon["mfu_bf16"] is not None else ("mfu_fp32", "fp32")
+    pairs = ", ".join(f"{x:.2f}" for x in round_pairs(horizon, best))
+    return (f"| {path} | {best['arm']} {best['tokens_per_sec']:,.0f} tok/s | {horizon['arm']}"
+            f" {horizon['tokens_per_sec']:,.0f} tok/s | {horizon['tokens_per_sec'] / best['tokens_per_sec']:.2f}x |"
+            f" {pairs} | {100 * best[key]:.0f}% of {peak} | {100 * horizon[key]:.0f}% of {peak} |")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -325,6 +413,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--smoke", action="store_true", help="tiny defaults: " + ", ".join(f"{k}={v}" for k, v in
                                                                                    SMOKE.items()))
+    p.add_argument("--paths", default=None, help="ISA paths, each a whole run in a child process, then a summary"
+                   " per path: native (the CPU as it is) and/or avx2 (oneDNN capped at AVX2: a CPU without native"
+                   " bf16); default: the path this process is on")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
     p.set_defaults(peak_sizes=(512, 1024, 2048))
@@ -336,6 +427,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.worker:
         worker(args)
         return {}
+    if args.paths:
+        return run_paths(args, sys.argv[1:] if argv is None else list(argv))
     import yaml
 
     cfg = yaml.safe_load(Path(args.config).read_text())
@@ -388,7 +481,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         med = tokens / statistics.median([x for r in rs for x in r["intervals"]])
         rows.append({"foreign": max(r["foreign"] for r in rs), "arm": name, "kind": arm_spec(workers[name])["kind"],
                      "procs": rs[0]["world"], "threads": rs[0]["threads"], "tokens_per_sec": med,
-                     "min": min(tps), "max": max(tps), "peak_rss_mib": max(r["rss_sum"] for r in rs) / 2**20,
+                     "min": min(tps), "max": max(tps), "rounds": tps, "peak_rss_mib": max(r["rss_sum"] for r in rs) / 2**20,
                      "final_loss": statistics.median(r["final_loss"] for r in rs),
                      "mfu_fp32": med * fpt / peaks["fp32"],
                      # emulated bf16 (a few GFLOP/s) is no peak a step can reach: no MFU against it
@@ -417,6 +510,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f" {100 * r['foreign']:>11.0f}% |")
     if best:
         print(f"best plain Lightning: {best['arm']}" + (f"; Lightning default: {default['arm']}" if default else ""))
+        for r in rows:
+            if r["kind"] == "horizon":  # the same round ran both arms minutes apart: a pair shares the machine's mood
+                print(f"{r['arm']} / {best['arm']} per round: {', '.join(f'{x:.2f}' for x in round_pairs(r, best))}")
     if tuned_why:
         print(f"{TUNED}: {workers[TUNED].partition('@')[2]} ({tuned_why})")
     result = {"config": args.config, "started": started, "finished": finished, "peaks": peaks, "rows": rows,

@@ -326,28 +326,46 @@ def test_monitor_arguments_are_checked():
     assert MemoryMonitor().log_every_n_steps is None and CommMonitor(log_every_n_steps=None).summary_every_n_steps is None
 
 
-def test_bench_smoke(tmp_path, cache_dir, monkeypatch, capsys, bench_here):
+def test_bench_smoke(tmp_path, cache_dir, monkeypatch, capfd, bench_here):
     """A layout arm (Lightning's default layout: one process on both cores) against the tuned arm (an empty layout
-    cache: the rule's layout), --smoke (tiny.yaml, 1 + 3 steps, one round); the driver here, each arm a worker."""
+    cache: the rule's layout), --smoke (tiny.yaml, 1 + 3 steps, one round), on the AVX2 path (--paths: the driver
+    runs itself in a child with oneDNN capped, each arm a worker of that child), then the per-path summary."""
     import bench_vs_lightning
 
     monkeypatch.setenv("HORIZON_LAYOUT_CACHE", str(tmp_path / "no_layouts.json"))  # the workers inherit it
     bench_vs_lightning.main(["--smoke", "--layouts", "1x2", "--layout-arms", "lightning-32", "--timeout", "120",
-                             "--cache-dir", str(cache_dir), "--json", str(tmp_path / "b.json")])
-    out = capsys.readouterr().out
+                             "--cache-dir", str(cache_dir), "--paths", "avx2", "--json", str(tmp_path / "b.json")])
+    out = capfd.readouterr().out
+    assert "== path avx2 (ONEDNN_MAX_CPU_ISA=AVX2)" in out and "(oneDNN capped at AVX2), native bf16: no" in out
     assert "| 1 warm-up + 3 measured steps | 1 round(s) |" in out and "configs/tiny.yaml" in out
     assert "| lightning-32@1x2 " in out and "| horizon-tuned " in out and "MFU" in out
     assert "vs Lightning default" in out and "Lightning default: lightning-32@1x2" in out
     tuned = re.search(r"horizon-tuned: (\d+)x(\d+) \(rule: ", out)
     assert tuned, out[-2000:]
+    pairs = re.search(r"horizon-tuned / lightning-32@1x2 per round: ([\d.]+)$", out, re.M)
     import json
 
-    rows = {r["arm"]: r for r in json.loads((tmp_path / "b.json").read_text())["rows"]}
+    rows = {r["arm"]: r for r in json.loads((tmp_path / "b.json").read_text())["paths"]["avx2"]["rows"]}
     assert all(r["tokens_per_sec"] > 0 and math.isfinite(r["final_loss"]) for r in rows.values())
     assert (rows["lightning-32@1x2"]["procs"], rows["lightning-32@1x2"]["threads"]) == (1, 2)
     assert (rows["horizon-tuned"]["procs"], rows["horizon-tuned"]["threads"]) == tuple(map(int, tuned.groups()))
     # the same seed and global batch on every layout: the same training, whatever the split
     assert rows["horizon-tuned"]["final_loss"] == pytest.approx(rows["lightning-32@1x2"]["final_loss"], rel=1e-3)
+    # one round: its pair is the ratio of the two arms' tokens/s; the path's row says it, with fp32 MFU (no bf16)
+    ratio = rows["horizon-tuned"]["rounds"][0] / rows["lightning-32@1x2"]["rounds"][0]
+    assert pairs and float(pairs.group(1)) == pytest.approx(ratio, abs=0.006), out[-2000:]
+    row = re.search(r"^\| avx2 \| lightning-32@1x2 [\d,]+ tok/s \| horizon-tuned [\d,]+ tok/s \| ([\d.]+)x \|"
+                    r" ([\d.]+) \| \d+% of fp32 \| \d+% of fp32 \|$", out, re.M)
+    assert row and float(row.group(2)) == float(pairs.group(1)), out[-1500:]
+
+
+def test_bench_paths_refuses_unknown_ones_and_drops_its_own_options(bench_here):
+    import bench_vs_lightning as bench
+
+    with pytest.raises(ValueError, match="--paths='amx': allowed are native, avx2"):
+        bench.main(["--paths", "amx"])
+    argv = ["--steps", "3", "--paths", "native,avx2", "--json=x.json", "--rounds", "1"]
+    assert bench.drop_option(bench.drop_option(argv, "--paths"), "--json") == ["--steps", "3", "--rounds", "1"]
 
 
 def test_bench_layout_arms():
@@ -367,15 +385,21 @@ def test_bench_layout_arms():
     with pytest.raises(ValueError, match="Lightning's own strategy"):
         bench.arm_spec("horizon-nostrategy@2x1")
     # the defaults one at a time: each arm differs from "horizon" in the one part it names
-    from lightning_horizon import HorizonPrecision
+    from lightning_horizon import cpu
+    from lightning_horizon.precision import matmul_width, resolve_compute
+
+    model = pretrain_gpt.GPTPretrain(n_layer=1, n_head=2, n_embd=32, block_size=16)
 
     def built(name):
-        kw = bench._trainer_kwargs(bench.arm_spec(name), 3, timer=None)
+        kw = bench._trainer_kwargs(bench.arm_spec(name), 3, timer=None, model=model)
         return (type(kw["strategy"]).__name__ if not isinstance(kw["strategy"], str) else kw["strategy"],
                 [type(p).__name__ for p in kw.get("plugins", [])], kw.get("precision"),
                 [type(c).__name__ for c in kw["callbacks"] if c is not None], kw.get("gradient_clip_val"))
 
-    same = "bf16-mixed" if HorizonPrecision("auto").compute == "bf16" else "32-true"
+    assert matmul_width(model) == 32
+    # what HorizonPrecision("auto") computes this model in: fp32, also where bf16 is native (narrower than 96)
+    same = "bf16-mixed" if resolve_compute("auto", "cpu", 32)[0] == "bf16" else "32-true"
+    assert same == "32-true" or cpu.isa().name not in cpu.BF16_MIN_WIDTH
     assert built("horizon") == ("HorizonStrategy", ["HorizonPrecision"], None, ["GradNormBackoff"], None)
     assert built("horizon-noback") == ("HorizonStrategy", ["HorizonPrecision"], None, [], 1.0)
     assert built("horizon-noplugin") == ("HorizonStrategy", [], same, ["GradNormBackoff"], None)

@@ -54,7 +54,7 @@ class HorizonStrategy(DDPStrategy):
         sync_every: 1, or k > 1: gradients reduced in the node, parameters averaged across nodes every k steps.
         sync_warmup_steps: with ``sync_every > 1``, the first steps that still reduce across the world.
         torus_shape: ``(X, Y)`` for ``torus2d``, X * Y = world size; ``None``: X = ranks per node.
-        cost_model: link constants for ``"auto"`` instead of the setup probe (a ``CostModel`` or a dict).
+        cost_model: link and codec constants for ``"auto"`` instead of the setup probe (a ``CostModel`` or a dict).
         state: ``"replicated"`` or ``"node_sharded"`` (one copy of the weights per node, the rest owned in shares).
         node_weights: with ``"node_sharded"``: ``"shared"`` (in ``/dev/shm``) or ``"copies"`` (one per rank).
         state_checkpoint: with ``"node_sharded"``: ``"full"`` (rank 0 writes all) or ``"per_rank"`` (each its share).

@@ -112,7 +112,7 @@ def worker(rank: int, args: argparse.Namespace) -> None:
                 })
     if rank == 0:
         out = {"rows": rows, "links": {"intra": [links.intra.alpha, links.intra.beta],
-                                       "inter": [links.inter.alpha, links.inter.beta]}}
+                                       "inter": [links.inter.alpha, links.inter.beta], "codec": dict(links.codec)}}
         Path(args.out).write_text(json.dumps(out))
     dist.destroy_process_group()
 
@@ -245,7 +245,7 @@ def predictions(title: str, model: CostModel, mib: float = 8) -> None:
             piped = model.predict("hierarchical", numel, nodes, per_node, chunk_numel=chunk)
             q = min(model.predict("hierarchical", numel, nodes, per_node, compression="int8", chunk_numel=c).time
                     for c in (numel, chunk))
-            algorithm, c = BucketPlanner(CollectivesConfig("auto"), nodes, per_node, per_node, model).plan_for(numel)
+            algorithm, c, _ = BucketPlanner(CollectivesConfig("auto"), nodes, per_node, per_node, model).plan_for(numel)
             auto = algorithm + (f" in {c * 4 / MIB:g} MiB chunks" if algorithm != "flat" and c < numel else "")
             inter = f"{f.inter_bytes / MIB:.3f} | {h.inter_bytes / MIB:.3f} ({f.inter_bytes_max / MIB:.2f})"
             print(f"{nodes:>6} {per_node:>4} {f.time * 1e3:>9.2f} {h.time * 1e3:>9.2f} {piped.time * 1e3:>9.2f}"

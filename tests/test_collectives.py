@@ -26,6 +26,7 @@ import torch
 from lightning_horizon import HorizonStrategy
 from lightning_horizon.collectives import CollectivesConfig, CostModel, Link
 from lightning_horizon.collectives.compression import Codec, ErrorFeedback
+from lightning_horizon.collectives.cost_model import BucketPlanner
 from lightning_horizon.collectives.layout import Piece
 from tests.launch import assert_exited, run_worlds
 
@@ -188,14 +189,153 @@ def test_auto_choice_follows_the_crossover_on_given_constants():
     # 2 x 2) and 4/3 of the bytes, so it wins below about 4 alpha / (0.5 beta) bytes and flat above.
     same = CostModel.coerce({"intra": (1e-6, 1e-9), "inter": (1e-6, 1e-9)})
     for numel, best in ((416, "hierarchical"), (3135, "flat")):
-        assert same.choose(numel, 2, 2, [("flat", 4, numel), ("hierarchical", 2, numel)])[0] == best
+        assert same.choose(numel, 2, 2, [("flat", 4, numel, None), ("hierarchical", 2, numel, None)])[0] == best
     # A slow inter-node link: hierarchical for every size on 2 x 8.
     for numel in (1 << 10, 1 << 16, 1 << 22):
-        assert LAN.choose(numel, 2, 8, [("flat", 16, numel), ("hierarchical", 8, numel)])[0] == "hierarchical"
+        candidates = [("flat", 16, numel, None), ("hierarchical", 8, numel, None)]
+        assert LAN.choose(numel, 2, 8, candidates)[0] == "hierarchical"
     # Pipelining pays each stage's latency once per chunk: worth it on 2 nodes, not across 256 of them.
     numel, chunk = 1 << 21, 1 << 19
-    assert LAN.choose(numel, 2, 8, [("hierarchical", 8, numel), ("hierarchical", 8, chunk)])[2] == chunk
-    assert LAN.choose(numel, 256, 2, [("hierarchical", 2, numel), ("hierarchical", 2, chunk)])[2] == numel
+    assert LAN.choose(numel, 2, 8, [("hierarchical", 8, numel, None), ("hierarchical", 8, chunk, None)])[2] == chunk
+    assert LAN.choose(numel, 256, 2, [("hierarchical", 2, numel, None), ("hierarchical", 2, chunk, None)])[2] == numel
+
+
+# The codec's CPU time. Counted here from what compressed_allreduce does, apart from the code under test.
+
+
+def coded_per_rank(numel: int, group: int, block: int) -> int:
+    """Elements one rank encodes or decodes in a compressed allreduce of ``numel`` elements over ``group`` members:
+    its input padded to ``group`` chunks of whole blocks (encoded, decoded for its error), what it receives and
+    what it gathers (decoded), and its chunk of the sum (encoded, decoded for its error)."""
+    chunk = -(-numel // (group * block)) * block
+    return 3 * group * chunk + group * chunk + 2 * chunk
+
+
+@pytest.mark.parametrize(
+    "algorithm, compression, chunk_numel, coded",
+    [
+        # flat: the whole bucket over the 4 ranks
+        ("flat", "int8", None, coded_per_rank(100_003, 4, 256)),
+        ("flat", "bf16", None, coded_per_rank(100_003, 4, 1)),
+        # hierarchical / torus2d: each rank's half of the (even-padded) bucket, across the 2 nodes
+        ("hierarchical", "int8", None, coded_per_rank(50_002, 2, 256)),
+        ("torus2d", "bf16", None, coded_per_rank(50_002, 2, 1)),
+        # pipelined in chunks of 2**15: three full chunks and one of 1700 (100_004 - 3 * 2**15), each halved
+        ("hierarchical", "int8", 1 << 15, 3 * coded_per_rank(1 << 14, 2, 256) + coded_per_rank(850, 2, 256)),
+    ],
+)
+def test_compressed_prediction_adds_the_codec_time_of_every_coded_element(algorithm, compression, chunk_numel, coded):
+    numel, per_element = 100_003, 3e-9
+    costly = CostModel(LAN.intra, LAN.inter, codec={compression: per_element})
+    kw = {"compression": compression, "chunk_numel": chunk_numel}
+    with_codec = costly.predict(algorithm, numel, 2, 2, **kw)
+    without = LAN.predict(algorithm, numel, 2, 2, **kw)
+    # The column (slow inter-node link) is the longer side of every pipelined chunk, so the whole term shows.
+    assert with_codec.time - without.time == pytest.approx(per_element * coded, rel=1e-9)
+    assert (with_codec.intra_bytes, with_codec.inter_bytes, with_codec.inter_bytes_max) == (
+        without.intra_bytes, without.inter_bytes, without.inter_bytes_max)  # bytes on the wire unchanged
+    other = "bf16" if compression == "int8" else "int8"  # a codec not named in the model costs nothing
+    assert costly.predict(algorithm, numel, 2, 2, compression=other).time == LAN.predict(
+        algorithm, numel, 2, 2, compression=other).time
+
+
+def test_one_node_codes_nothing():
+    """Inside one node the two-level algorithms have no column stage to compress, so no codec time either."""
+    costly = CostModel(LAN.intra, LAN.inter, codec={"int8": 1e-6})
+    for algorithm in ("hierarchical", "torus2d"):
+        assert costly.predict(algorithm, 1 << 16, 1, 4, "int8").time == LAN.predict(algorithm, 1 << 16, 1, 4).time
+
+
+@pytest.mark.parametrize(
+    "inter, per_element, expect",
+    [
+        ((50e-6, 1 / 125e6), 2e-9, "int8"),  # 1 Gbit/s: 4x fewer bytes are worth the coding
+        ((15e-6, 1 / 3.125e9), 2e-9, None),  # 25 Gbit/s: the same codec costs more than the bytes it saves
+        ((50e-6, 1 / 125e6), 1e-8, None),  # 1 Gbit/s and a slow codec
+        ((15e-6, 1 / 3.125e9), 0.0, "int8"),  # a free codec: compression always pays (bytes only)
+    ],
+)
+def test_auto_compresses_only_where_the_model_predicts_a_gain(inter, per_element, expect):
+    numel, per_node = 1 << 22, 2  # 16 MiB buckets on 2 nodes x 2
+    model = CostModel.coerce({"intra": (2e-6, 1 / 20e9), "inter": inter, "codec": {"int8": per_element}})
+    planner = BucketPlanner(CollectivesConfig("auto", compression="int8"), 2, per_node, per_node, model)
+    algorithm, chunk, compression = planner.plan_for(numel)
+    assert compression == expect
+    best = {c: min(model.predict(a, numel, 2, per_node, c, chunk_numel=k).time
+                   for a in ("flat", "hierarchical") for k in (numel, CollectivesConfig().chunk_numel))
+            for c in (None, "int8")}
+    assert (best["int8"] < best[None]) == (expect == "int8")  # the promise: compressed only for a predicted gain
+    assert model.predict(algorithm, numel, 2, per_node, compression, chunk_numel=chunk).time == min(best.values())
+    # A configured algorithm keeps the configured compression, whatever the model says.
+    assert BucketPlanner(CollectivesConfig("hierarchical", compression="int8"), 2, 2, 2).plan_for(numel)[2] == "int8"
+
+
+@pytest.mark.parametrize(
+    "codec, shown",
+    [
+        ({"fp8": 1e-9}, "codec={'fp8': 1e-09}"),
+        ({"int8": -1e-9}, "codec={'int8': -1e-09}"),
+        ({"int8": float("nan")}, "codec={'int8': nan}"),
+        ({"bf16": "fast"}, "codec={'bf16': 'fast'}"),
+        ([1e-9], "codec=[1e-09]"),
+    ],
+)
+def test_coerce_rejects_a_bad_codec_by_name(codec, shown):
+    value = {"intra": (1e-6, 1e-9), "inter": (1e-5, 1e-8), "codec": codec}
+    for build in (CostModel.coerce, lambda v: CollectivesConfig("auto", cost_model=v)):
+        with pytest.raises(ValueError) as err:
+            build(value)
+        message = str(err.value)
+        assert message.startswith("cost_model={") and shown in message
+        assert "allowed is a dict of compression names ('bf16', 'int8') to seconds per element" in message
+
+
+def test_coerce_takes_an_optional_codec_and_describe_shows_its_throughput():
+    links = {"intra": (1e-6, 1e-9), "inter": (1e-5, 1e-8)}
+    assert CostModel.coerce(links).codec == {}  # as before: no codec time
+    model = CostModel.coerce({**links, "codec": {"int8": 2e-9, "bf16": 1}})
+    assert model.codec == {"int8": 2e-9, "bf16": 1.0}
+    assert model.describe() == ("intra-node alpha 1.0 us, 1.00 GB/s | inter-node alpha 10.0 us, 0.10 GB/s"
+                                " | codec int8 2.00 GB/s, bf16 0.00 GB/s of fp32 per encode or decode")
+    with pytest.raises(ValueError, match=r"cost_model=\{.*'codecs'.*allowed is a CostModel"):  # a misspelt key
+        CostModel.coerce({**links, "codecs": {"int8": 2e-9}})
+
+
+def test_probe_measures_the_codecs_without_a_process_group():
+    from lightning_horizon.collectives.accounting import CommAccounting
+    from lightning_horizon.collectives.comm import Comm
+    from lightning_horizon.collectives.probe import codec_seconds, probe_links
+    from lightning_horizon.topology import Topology
+
+    for name in ("bf16", "int8"):
+        seconds = codec_seconds(name, numel=1 << 14, repeats=2)
+        # Per element, not per call: well under 10 us even on oversubscribed cores (a call takes far longer).
+        assert 0 < seconds < 1e-5 and math.isfinite(seconds)
+    alone = Comm(None, [0], Topology(world_size=1, rank=0, ranks_per_node=1), CommAccounting())
+    model = probe_links(alone, alone, alone, repeats=1, compressions=("int8",))
+    assert list(model.codec) == ["int8"] and 0 < model.codec["int8"] < 1e-5
+    assert "codec int8" in model.describe()
+
+
+def test_a_bucket_auto_sends_uncompressed_carries_its_residual_exactly():
+    """With compression configured, ``auto`` may send a bucket uncompressed: the residual fed back into it goes
+    along, exactly, and is then spent (world of one: nothing to compress, so ``auto`` never compresses)."""
+    from lightning_horizon.collectives import GradientSync
+    from lightning_horizon.state import TrainingState
+    from lightning_horizon.topology import ProcessGroups, Topology
+
+    module = torch.nn.Linear(3, 2)
+    config = CollectivesConfig("auto", compression="int8", cost_model={"intra": (1e-6, 1e-9), "inter": (1e-6, 1e-9)})
+    sync = GradientSync(config, ProcessGroups(Topology(1, 0, 1)), module, TrainingState())
+    params = [p for _, p in module.named_parameters()]
+    residual = torch.linspace(-1, 1, 8)
+    sync.error_feedback.scatter(Piece.contiguous(params), residual)
+    grads = torch.arange(8.0)
+    bucket = Piece.contiguous(params, grads.clone())
+    out = sync.reduce(bucket).wait()
+    assert sync.planner.choices[8][2] is None
+    assert torch.equal(out, grads + residual)
+    assert sync.error_feedback.gather(bucket) is None  # spent: nothing is fed back twice
 
 
 # ---------------------------------------------------------------------- codecs and error feedback

@@ -55,6 +55,16 @@ class Codec:
         return (q * scale).view(rows, c)
 
 
+def coded_elements(chunk: int, group: int) -> int:
+    """Elements one rank encodes or decodes in :func:`compressed_allreduce` over ``group`` members with ``chunk``
+    (padded) elements per member: the cost model's unit of codec time, and the probe's.
+
+    It encodes its ``group * chunk`` elements and decodes them (their error), decodes what it receives and what it
+    gathers (``group * chunk`` each), and encodes its ``chunk`` of the sum and decodes it (its error).
+    """
+    return 4 * group * chunk + 2 * chunk
+
+
 def compressed_allreduce(x: torch.Tensor, comm: Comm, codec: Codec) -> tuple[torch.Tensor, torch.Tensor]:
     """The group's sum of ``x`` (1-D fp32), and what this rank's encodings lost (same length as ``x``)."""
     n, g = x.numel(), comm.size

@@ -48,7 +48,8 @@ class CollectivesConfig:
 
     cost_model: Optional[Any] = None
     """Link constants for ``auto`` instead of the setup probe: a ``CostModel`` or
-    ``{"intra": (alpha_s, beta_s_per_byte), "inter": (alpha_s, beta_s_per_byte)}``."""
+    ``{"intra": (alpha_s, beta_s_per_byte), "inter": (alpha_s, beta_s_per_byte)}``, with an optional
+    ``"codec": {"bf16": s_per_element, "int8": s_per_element}`` (the codecs' CPU time; absent: none counted)."""
 
     int8_block: int = 256
     """Elements per int8 scale: smaller blocks follow the gradient's range more closely, at 4 bytes per block."""

@@ -12,17 +12,24 @@ the model's byte counts are the hooks' byte counts. A pipelined two-level reduct
 one chunk with the column stage of another: after the first chunk, each chunk costs the slower of its row and
 column work. :class:`BucketPlanner` turns the predictions into a choice per bucket size. (The textbook closed
 forms on one link class, which the simulation reproduces, live in tests/test_collectives.py.)
+
+Compression saves bytes on the wire and costs CPU time: encoding, decoding and the error feedback run on the
+cores that also train. The model counts it as seconds per element encoded or decoded (``CostModel.codec``,
+measured by the probe), for every element a compressed stage codes on a rank, on the thread that issues it.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
 
 from lightning_horizon.collectives.chunks import FP32, chunk_sizes, payload_bytes, round_up
+from lightning_horizon.collectives.compression import coded_elements
+from lightning_horizon.collectives.config import COMPRESSIONS
 
 if TYPE_CHECKING:  # config.py imports this module to check a given cost model
     from lightning_horizon.collectives.config import CollectivesConfig
@@ -39,35 +46,65 @@ class Link:
         return self.alpha + nbytes * self.beta
 
 
+#: the compressions that have a codec (``CostModel.codec``'s keys)
+CODECS = tuple(c for c in COMPRESSIONS if c is not None)
+
+
 @dataclass(frozen=True)
 class CostModel:
-    """Latency and bandwidth of the intra-node and inter-node links."""
+    """Latency and bandwidth of the intra-node and inter-node links, and the CPU time of the codecs."""
 
     intra: Link
     inter: Link
+    codec: Mapping[str, float] = field(default_factory=dict, hash=False)
+    """Seconds per element encoded or decoded, per compression (``"bf16"``, ``"int8"``), error feedback and fp32
+    sums included (:func:`~lightning_horizon.collectives.compression.coded_elements` counts the elements). A
+    compression not named here costs no CPU time."""
 
     @classmethod
     def coerce(cls, value: Any) -> "CostModel":
-        """A ``CostModel``, or ``{"intra": (alpha, beta), "inter": (alpha, beta)}``."""
+        """A ``CostModel``, or ``{"intra": (alpha, beta), "inter": (alpha, beta)}`` with an optional
+        ``"codec": {"bf16": seconds_per_element, "int8": seconds_per_element}``."""
         if isinstance(value, CostModel):
             return value
         try:
+            if set(value) - {"intra", "inter", "codec"}:
+                raise ValueError
             links = {k: Link(float(value[k][0]), float(value[k][1])) for k in ("intra", "inter")}
             if any(v < 0 or not math.isfinite(v) for link in links.values() for v in (link.alpha, link.beta)):
                 raise ValueError
-            return cls(**links)
         except (TypeError, KeyError, IndexError, ValueError):
             raise ValueError(
                 f"cost_model={value!r}: allowed is a CostModel or"
-                " {'intra': (alpha_s, beta_s_per_byte), 'inter': (alpha_s, beta_s_per_byte)} of finite numbers >= 0"
+                " {'intra': (alpha_s, beta_s_per_byte), 'inter': (alpha_s, beta_s_per_byte)} of finite numbers >= 0,"
+                f" with an optional 'codec': {{name: seconds_per_element}} for the names {CODECS}"
             ) from None
+        codec = value.get("codec")
+        try:
+            codec = {} if codec is None else codec
+            if not isinstance(codec, Mapping) or set(codec) - set(CODECS):
+                raise ValueError
+            codec = {name: float(seconds) for name, seconds in codec.items()}
+            if any(v < 0 or not math.isfinite(v) for v in codec.values()):
+                raise ValueError
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"cost_model={value!r}: codec={value['codec']!r} is not allowed: allowed is a dict of compression"
+                f" names {CODECS} to seconds per element encoded or decoded, finite numbers >= 0"
+                " (e.g. {'bf16': 1e-9, 'int8': 2e-9})"
+            ) from None
+        return cls(**links, codec=codec)
 
     def describe(self) -> str:
         def one(link: Link) -> str:
             bw = 1 / link.beta / 1e9 if link.beta > 0 else float("inf")
             return f"alpha {link.alpha * 1e6:.1f} us, {bw:.2f} GB/s"
 
-        return f"intra-node {one(self.intra)} | inter-node {one(self.inter)}"
+        text = f"intra-node {one(self.intra)} | inter-node {one(self.inter)}"
+        if self.codec:
+            speeds = (f"{name} {FP32 / s / 1e9 if s > 0 else float('inf'):.2f} GB/s" for name, s in self.codec.items())
+            text += f" | codec {', '.join(speeds)} of fp32 per encode or decode"
+        return text
 
     # ------------------------------------------------------------------ our algorithms on a placement
 
@@ -89,9 +126,12 @@ class CostModel:
         time, intra, inter = 0.0, np.zeros(world), np.zeros(world)
         for k, stages in enumerate(plan(algorithm, numel, world, cols, compression, int8_block, chunk_numel)):
             t_row = t_col = 0.0
-            for kind, axis, nbytes in stages:
-                t, a, e = self._stage(kind, _groups(axis, world, cols), nbytes, ranks_per_node)
-                intra, inter = intra + a, inter + e
+            for kind, axis, amount in stages:
+                if kind == "codec":  # every rank codes at once, on the thread that issues the stage's collectives
+                    t = amount * self.codec.get(compression, 0.0)
+                else:
+                    t, a, e = self._stage(kind, _groups(axis, world, cols), amount, ranks_per_node)
+                    intra, inter = intra + a, inter + e
                 if axis == "row":
                     t_row += t
                 else:
@@ -99,11 +139,15 @@ class CostModel:
             time += t_row + t_col if k == 0 else max(t_row, t_col)
         return Prediction(algorithm, time, float(intra.mean()), float(inter.mean()), float(inter.max()))
 
-    def choose(self, numel: int, nodes: int, ranks_per_node: int, candidates: list[tuple[str, int, int]], **kw: Any):
-        """The ``(algorithm, torus_cols, chunk_numel)`` of ``candidates`` predicted fastest (first on a tie)."""
+    def choose(
+        self, numel: int, nodes: int, ranks_per_node: int, candidates: list[tuple[str, int, int, Optional[str]]],
+        **kw: Any,
+    ):
+        """The ``(algorithm, torus_cols, chunk_numel, compression)`` of ``candidates`` predicted fastest (first on a
+        tie)."""
         times = [
-            self.predict(a, numel, nodes, ranks_per_node, torus_cols=cols, chunk_numel=chunk, **kw).time
-            for a, cols, chunk in candidates
+            self.predict(a, numel, nodes, ranks_per_node, comp, torus_cols=cols, chunk_numel=chunk, **kw).time
+            for a, cols, chunk, comp in candidates
         ]
         return candidates[int(np.argmin(times))]
 
@@ -162,7 +206,8 @@ def plan(
     """Per pipelined chunk, the stages ``(kind, axis, bytes per rank)`` the hook issues, padding included.
 
     ``axis`` is ``"world"``, ``"row"`` (``cols`` consecutive ranks) or ``"col"`` (stride ``cols``). A compressed
-    allreduce is an all-to-all of the encoded chunks, a sum in fp32, and an all-gather of the re-encoded sums.
+    allreduce is an all-to-all of the encoded chunks, a sum in fp32, and an all-gather of the re-encoded sums,
+    and a ``("codec", axis, elements per rank)`` stage: what each rank encodes or decodes there (no bytes).
     """
     if algorithm == "flat":
         return [_across("world", world, numel, compression, int8_block)]
@@ -177,12 +222,12 @@ def plan(
 
 
 def _across(axis: str, group: int, numel: int, compression: Optional[str], int8_block: int):
-    if compression is None:
+    if compression is None or group == 1:  # a group of one compresses nothing (the hooks skip it too)
         return [("allreduce", axis, FP32 * numel)]
     block = int8_block if compression == "int8" else 1
     chunk = round_up(numel, group * block) // group
     wire = group * payload_bytes(chunk, compression, int8_block)
-    return [("alltoall", axis, wire), ("allgather", axis, wire)]
+    return [("alltoall", axis, wire), ("codec", axis, coded_elements(chunk, group)), ("allgather", axis, wire)]
 
 
 def _groups(axis: str, world: int, cols: int) -> list[list[int]]:
@@ -197,12 +242,14 @@ def _groups(axis: str, world: int, cols: int) -> list[list[int]]:
 
 
 class BucketPlanner:
-    """``(algorithm, pipeline chunk in elements)`` for each bucket size: the configured ones, or for ``auto`` the
-    cheapest by the cost model, chosen once per bucket size.
+    """``(algorithm, pipeline chunk in elements, compression)`` for each bucket size: the configured ones, or for
+    ``auto`` the cheapest by the cost model, chosen once per bucket size.
 
     ``auto`` weighs flat, hierarchical and (where its grid is neither of those) torus2d, each two-level one both
     pipelined and in one piece, since every chunk pays every stage's latency again (a ring across 256 nodes has
-    510 steps). Every rank holds the same constants (the probe agrees on them), so every rank picks alike.
+    510 steps). With a ``compression``, each also uncompressed: the codec's CPU time can cost more than the bytes
+    it saves (a fast link, a slow CPU), and on a tie the exact sum wins. Every rank holds the same constants (the
+    probe agrees on them), so every rank picks alike.
     """
 
     def __init__(
@@ -219,26 +266,28 @@ class BucketPlanner:
         self.config, self.model, self._info = config, model, info
         self.nodes, self.ranks_per_node, self.torus_cols = nodes, ranks_per_node, torus_cols
         #: ``auto``'s choice per bucket size (elements)
-        self.choices: dict[int, tuple[str, int]] = {}
+        self.choices: dict[int, tuple[str, int, Optional[str]]] = {}
 
-    def plan_for(self, numel: int) -> tuple[str, int]:
-        """``(algorithm, pipeline chunk in elements)`` for a bucket of ``numel`` elements."""
+    def plan_for(self, numel: int) -> tuple[str, int, Optional[str]]:
+        """``(algorithm, pipeline chunk in elements, compression)`` for a bucket of ``numel`` elements."""
         cfg = self.config
         chunk = cfg.chunk_numel
         if cfg.algorithm != "auto":
-            return cfg.algorithm, chunk
+            return cfg.algorithm, chunk, cfg.compression
         if numel not in self.choices:
             per_node, world = self.ranks_per_node, self.nodes * self.ranks_per_node
             two_level = [("hierarchical", per_node)]
             if self.torus_cols not in (per_node, world):
                 two_level.append(("torus2d", self.torus_cols))
-            candidates = [("flat", world, numel)]
-            candidates += [(a, cols, c) for a, cols in two_level for c in dict.fromkeys((chunk, numel))]
+            shapes = [("flat", world, numel)]
+            shapes += [(a, cols, c) for a, cols in two_level for c in dict.fromkeys((chunk, numel))]
+            candidates = [(*shape, comp) for comp in dict.fromkeys((None, cfg.compression)) for shape in shapes]
             assert self.model is not None
-            algorithm, _, chunk = self.model.choose(
-                numel, self.nodes, per_node, candidates, compression=cfg.compression, int8_block=cfg.int8_block
+            algorithm, _, chunk, compression = self.model.choose(
+                numel, self.nodes, per_node, candidates, int8_block=cfg.int8_block
             )
-            self.choices[numel] = (algorithm, chunk)
+            self.choices[numel] = (algorithm, chunk, compression)
             pieces = f" in chunks of {chunk * FP32 / 2**20:.3f} MiB" if algorithm != "flat" and chunk < numel else ""
-            self._info(f"collectives auto: buckets of {numel * FP32 / 2**20:.3f} MiB -> {algorithm}{pieces}")
+            coded = f" + {compression}" if compression else ""
+            self._info(f"collectives auto: buckets of {numel * FP32 / 2**20:.3f} MiB -> {algorithm}{coded}{pieces}")
         return self.choices[numel]

@@ -1,4 +1,5 @@
-"""Measure the links at setup: latency and bandwidth inside the node and between nodes, for ``auto``.
+"""Measure the links at setup: latency and bandwidth inside the node and between nodes, for ``auto``; and the
+codecs' CPU time, which a compressed reduction pays for the bytes it saves.
 
 A ring allreduce of ``n`` bytes over ``g`` ranks takes ``2(g-1) alpha + 2(g-1)/g n beta``; timing a small and a
 large one gives alpha and beta. The intra-node groups of all nodes probe at once (each node's memory is its
@@ -6,23 +7,33 @@ own); between nodes only local rank 0's group probes, so one flow per NIC measur
 model then shares among the flows of each round. Every rank takes the maximum over the world of what was
 measured, so every rank holds the same constants and ``auto`` picks the same algorithm for a bucket everywhere
 (a rank that picked another algorithm would hang its peers).
+
+The codecs are timed on every rank at once, on its own threads, running the hooks' own compressed allreduce over
+a group of the rank alone (its collectives are then copies): the cores a node's ranks share while training are
+shared while measuring, too.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from lightning_horizon.collectives.accounting import CommAccounting
 from lightning_horizon.collectives.comm import Comm
-from lightning_horizon.collectives.chunks import FP32
-from lightning_horizon.collectives.cost_model import CostModel, Link
-from lightning_horizon.topology import ProcessGroups
+from lightning_horizon.collectives.chunks import FP32, round_up
+from lightning_horizon.collectives.compression import Codec, coded_elements, compressed_allreduce
+from lightning_horizon.collectives.cost_model import CODECS, CostModel, Link
+from lightning_horizon.topology import ProcessGroups, Topology
 
 SMALL_NUMEL = 256  # 1 KiB: latency-bound
 LARGE_NUMEL = 1 << 18  # 1 MiB: bandwidth-bound, short even on a 1 Gbit/s link (about 16 ms per ring)
+# 2 MiB, the default pipeline chunk, which a pipelined two-level reduction codes a slice of at a time. Per
+# element, larger tensors can cost more: where each call's fresh buffers are page-faulted in again (int8 with
+# glibc malloc, measured here: 4x at 8 MiB), a bucket compressed in one piece pays more than the figure says.
+CODEC_NUMEL = 1 << 19
 REPEATS = 5
 
 
@@ -46,8 +57,27 @@ def _fit(comm: Comm, repeats: int) -> Link:
     return Link(alpha, beta)
 
 
-def probe(groups: ProcessGroups, repeats: int = REPEATS) -> CostModel:
-    """Probe the links of ``groups``' topology (collective over the world: every rank must call it).
+def codec_seconds(compression: str, int8_block: int = 256, numel: int = CODEC_NUMEL, repeats: int = REPEATS) -> float:
+    """Seconds per element encoded or decoded by ``compression``'s codec, error feedback and fp32 sum included:
+    the best of ``repeats`` runs of :func:`compressed_allreduce` on ``numel`` elements, on this rank's threads.
+    Needs no process group."""
+    codec = Codec(compression, int8_block)
+    alone = Comm(None, [0], Topology(world_size=1, rank=0, ranks_per_node=1), CommAccounting())
+    x = torch.randn(numel)
+    compressed_allreduce(x, alone, codec)  # warm-up: allocations
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        compressed_allreduce(x, alone, codec)
+        best = min(best, time.perf_counter() - start)
+    return best / coded_elements(round_up(numel, codec.block), 1)
+
+
+def probe(
+    groups: ProcessGroups, compressions: Sequence[str] = CODECS, int8_block: int = 256, repeats: int = REPEATS
+) -> CostModel:
+    """Probe the links of ``groups``' topology and the codecs of ``compressions`` (collective over the world:
+    every rank must call it).
 
     The probe's traffic goes to an accounting of its own: it is not a training step's.
     """
@@ -57,12 +87,22 @@ def probe(groups: ProcessGroups, repeats: int = REPEATS) -> CostModel:
         Comm(groups.inter, groups.inter_ranks, topo, scratch),
         Comm(None, list(range(topo.world_size)), topo, scratch),
         repeats,
+        compressions,
+        int8_block,
     )
 
 
-def probe_links(intra: Comm, inter: Comm, world: Comm, repeats: int = REPEATS) -> CostModel:
-    """Probe both link classes over these groups (collective over the world: every rank must call it)."""
-    measured = torch.zeros(4, dtype=torch.float64)
+def probe_links(
+    intra: Comm, inter: Comm, world: Comm, repeats: int = REPEATS, compressions: Sequence[str] = (),
+    int8_block: int = 256,
+) -> CostModel:
+    """Probe both link classes over these groups, and the codecs of ``compressions`` (collective over the world:
+    every rank must call it)."""
+    measured = torch.zeros(4 + len(compressions), dtype=torch.float64)
+    # The codecs first: the ranks arrive here together (the groups were just built, collectively), so the ranks
+    # of a node share its cores as they will in training, and no link is being timed meanwhile.
+    for i, name in enumerate(compressions):
+        measured[4 + i] = codec_seconds(name, int8_block, repeats=repeats)
     if intra.size > 1:
         link = _fit(intra, repeats)
         measured[0:2] = torch.tensor([link.alpha, link.beta], dtype=torch.float64)
@@ -71,10 +111,10 @@ def probe_links(intra: Comm, inter: Comm, world: Comm, repeats: int = REPEATS) -
         measured[2:4] = torch.tensor([link.alpha, link.beta], dtype=torch.float64)
     if world.size > 1:
         dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=world.group)
-    a_i, b_i, a_e, b_e = measured.tolist()
+    a_i, b_i, a_e, b_e, *codec = measured.tolist()
     # A class that does not exist here (one rank per node, or one node) borrows the other's constants.
     if intra.size == 1:
         a_i, b_i = a_e, b_e
     if inter.size == 1:
         a_e, b_e = a_i, b_i
-    return CostModel(intra=Link(a_i, b_i), inter=Link(a_e, b_e))
+    return CostModel(intra=Link(a_i, b_i), inter=Link(a_e, b_e), codec=dict(zip(compressions, codec)))

@@ -92,10 +92,11 @@ class GradientSync(Part):
             cost_model = config.cost_model
             source = "given"
             if cost_model is None:
-                cost_model = probe(groups)
+                codecs = [config.compression] if config.compression else []
+                cost_model = probe(groups, codecs, config.int8_block)
                 source = "probed"
             self._info(f"collectives auto: {source} links: {cost_model.describe()}")
-        #: which algorithm (and pipeline chunk) reduces each bucket size
+        #: which algorithm (pipeline chunk, compression) reduces each bucket size
         self.planner = BucketPlanner(config, topo.num_nodes, per_node, self.torus_cols, cost_model, info=self._info)
         self._info(
             f"collectives: {config.algorithm} on {topo.num_nodes} node(s) x {per_node} rank(s)"
@@ -140,23 +141,25 @@ class GradientSync(Part):
                 algorithms.flat(buf, self.intra, None, self.intra.size)
                 self.accounting.add_seconds(time.perf_counter() - start)
                 return _completed(buf)
-        algorithm, chunk = self.planner.plan_for(buf.numel())
-        if algorithm == "flat" and self.codec is None and not algorithms.narrow(buf):
+        algorithm, chunk, compression = self.planner.plan_for(buf.numel())
+        # ``auto`` may send a bucket uncompressed: its residual then goes along, exactly, and is cleared below.
+        codec = self.codec if compression else None
+        if algorithm == "flat" and self.error_feedback is None and not algorithms.narrow(buf):
             return self._flat_overlapped(buf)
         start = time.perf_counter()
         world_size = self.topology.world_size
         # Compression sums and feeds back in fp32: a bucket of bf16 gradients (bf16-true weights) is reduced
         # in an fp32 copy and rounded once at the end.
-        x = buf if self.codec is None or buf.dtype == torch.float32 else buf.float()
+        x = buf if self.error_feedback is None or buf.dtype == torch.float32 else buf.float()
         if self.error_feedback is not None:
             residual = self.error_feedback.gather(bucket)
             if residual is not None:
                 x.add_(residual)  # the buffer is overwritten by the result anyway
         if algorithm == "flat":
-            error = algorithms.flat(x, self.world, self.codec, world_size)
+            error = algorithms.flat(x, self.world, codec, world_size)
         else:
             row, col = (self.intra, self.inter) if algorithm == "hierarchical" else (self.row, self.col)
-            error = algorithms.two_level(x, row, col, self.codec, chunk, world_size)
+            error = algorithms.two_level(x, row, col, codec, chunk, world_size)
         if x is not buf:
             buf.copy_(x)
         # A non-finite result (an overflow or NaN on any rank; the result is bitwise the same on every rank, so

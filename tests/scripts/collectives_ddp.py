@@ -139,7 +139,7 @@ def check_parity(checks: dict, groups: ProcessGroups, factory, bucket_mb: float,
                 err < 1e-5 and residual_max > 0, f"{iters[name]} iterations: {detail}")
         if cfg["algorithm"] == "auto" and tag == "odd":
             chose = sync.planner.choices
-            checks[f"auto_choices_{tag}"] = result({a for a, _ in chose.values()} == {"flat", "hierarchical"},
+            checks[f"auto_choices_{tag}"] = result({a for a, _, _ in chose.values()} == {"flat", "hierarchical"},
                                                    f"auto chose {chose}")
         checks[f"bitwise_{tag}_{name}"] = result(same_on_all_ranks(torch.stack(history[name])),
                                                   f"gradients bitwise equal on all ranks, all {iters[name]} iterations")
@@ -192,8 +192,8 @@ def check_bytes(sync: GradientSync, cfg: dict, sizes: list[int], per_step: list[
     model = CostModel.coerce(AUTO_COSTS)
     expect_intra = expect_inter = 0.0
     for numel in sizes:
-        algorithm, chunk = sync.planner.plan_for(numel)
-        p = model.predict(algorithm, numel, WORLD // PER_NODE, PER_NODE, compression=cfg.get("compression"),
+        algorithm, chunk, compression = sync.planner.plan_for(numel)
+        p = model.predict(algorithm, numel, WORLD // PER_NODE, PER_NODE, compression=compression,
                           torus_cols=sync.torus_cols, int8_block=sync.config.int8_block,
                           chunk_numel=chunk)
         expect_intra += p.intra_bytes

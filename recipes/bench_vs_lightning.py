@@ -11,6 +11,8 @@
     ONEDNN_MAX_CPU_ISA=AVX2 python recipes/bench_vs_lightning.py --arms lightning-32,lightning-bf16,horizon --warmup 1 --steps 3 --rounds 1
     # both ISA paths in one run, each in a child process, then horizon / best Lightning per path and round, and MFU:
     python recipes/bench_vs_lightning.py --paths native,avx2 --arms lightning-32,lightning-bf16,horizon
+    # a GPT written outside this project (Hugging Face's GPT-2 at small.yaml's shapes; pip install transformers):
+    python recipes/bench_vs_lightning.py --model hf-gpt2 --arms lightning-32,lightning-bf16,horizon
     python recipes/bench_vs_lightning.py --layouts all --rounds 1    # every layout (ranks x threads) of this machine
     python recipes/bench_vs_lightning.py --layouts 1x2,2x1 --layout-arms lightning-32,horizon
 
@@ -46,7 +48,8 @@ MFU of both against the peak of the dtype that path computes in.
 round, no retries, and the matmul peaks of one size (512) for 0.1 s: figures for a test, not for reading.
 
 Every arm trains the same GPTPretrain (same init, same data order: the recipe's seeded DistributedSampler, so one
-rank with batch 16 sees what two ranks with batch 8 see together), clipped to norm 1.0 (Lightning:
+rank with batch 16 sees what two ranks with batch 8 see together; ``--model hf-gpt2``: Hugging Face's GPT-2 at the
+config's shapes, recipes/hf_gpt2.py, a model written outside this project), clipped to norm 1.0 (Lightning:
 ``gradient_clip_val``; horizon: GradNormBackoff's ``max_norm``). Lightning's ``bf16-mixed`` refuses clipping with
 a fused optimizer, so its bf16 arms use torch's foreach AdamW; every other arm uses the recipe's fused AdamW.
 """
@@ -140,6 +143,21 @@ def arm_spec(name: str) -> dict[str, Any]:
     return arm
 
 
+#: --model: the GPT every arm trains, by name -> (module, class): the recipe's own, or one written outside the project
+MODELS = {"recipe": ("pretrain_gpt", "GPTPretrain"), "hf-gpt2": ("hf_gpt2", "GPT2Pretrain")}
+
+
+def model_class(name: str) -> Any:
+    """The LightningModule class of ``--model``; ``hf-gpt2`` needs ``transformers``, and says so."""
+    import importlib
+
+    module, cls = MODELS[name]
+    try:
+        return getattr(importlib.import_module(module), cls)
+    except ImportError as err:
+        raise RuntimeError(f"--model={name}: {err}; pip install transformers") from err
+
+
 def tuned_layout(cfg: dict[str, Any]) -> tuple[Layout, str]:
     """The layout recipes/pretrain_gpt.py takes for this config by default (layout cache, else rule), and why."""
     import torch
@@ -193,7 +211,6 @@ def worker(args: argparse.Namespace) -> None:
     from lightning.pytorch.callbacks import Callback
 
     from lm_data import ByteCorpusDataModule
-    from pretrain_gpt import GPTPretrain
 
     arm = arm_spec(args.worker)
     cfg = yaml.safe_load(Path(args.config).read_text())
@@ -232,7 +249,7 @@ def worker(args: argparse.Namespace) -> None:
                 }))
 
     L.seed_everything(1337, verbose=False)
-    model = GPTPretrain(**model_kw)
+    model = model_class(args.model)(**model_kw)
     data = ByteCorpusDataModule(**data_kw)
     trainer = L.Trainer(**_trainer_kwargs(arm, args.warmup + args.steps, Timer(), model))
     trainer.fit(model, data)
@@ -280,7 +297,7 @@ def select_arms(args: argparse.Namespace, cfg: dict[str, Any]) -> tuple[list[str
 
 def run_arm(name: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--out", str(out), "--config", args.config,
-           "--steps", str(args.steps), "--warmup", str(args.warmup)]
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--model", args.model]
     if args.cache_dir:
         cmd += ["--cache-dir", args.cache_dir]
     # a worker starts with the environment a user's shell would give it: no thread variables, so each framework's
@@ -363,6 +380,13 @@ def run_paths(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
             out = Path(tmp) / f"{path}.json"
             cmd = [sys.executable, str(Path(__file__).resolve()), *drop_option(drop_option(argv, "--paths"), "--json"),
                    "--json", str(out)]
+            given = args.arms if args.arms is not None else ("" if args.layouts else DEFAULT_ARMS)
+            arms = [a.strip() for a in given.split(",") if a.strip()]
+            kept = [a for a in arms if a == TUNED or arm_spec(a).get("precision") != "bf16-mixed"]
+            if kept != arms and not (uncapped.native_bf16 and not PATHS[path]):
+                # emulated bf16 (20-100x slower than fp32) is no choice a user makes on that path
+                print(f"path {path}: no native bf16, Lightning's bf16-mixed arms left out", flush=True)
+                cmd = drop_option(cmd, "--arms") + ["--arms", ",".join(kept)]
             print(f"\n== path {path}" + (f" (ONEDNN_MAX_CPU_ISA={PATHS[path]})" if PATHS[path] else ""), flush=True)
             subprocess.run(cmd, env=env, check=True)
             results[path] = json.loads(out.read_text())
@@ -413,6 +437,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--smoke", action="store_true", help="tiny defaults: " + ", ".join(f"{k}={v}" for k, v in
                                                                                    SMOKE.items()))
+    p.add_argument("--model", default="recipe", choices=list(MODELS), help="the GPT every arm trains: the"
+                   " recipe's (recipes/gpt.py) or Hugging Face's GPT-2 at the config's shapes (recipes/hf_gpt2.py)")
     p.add_argument("--paths", default=None, help="ISA paths, each a whole run in a child process, then a summary"
                    " per path: native (the CPU as it is) and/or avx2 (oneDNN capped at AVX2: a CPU without native"
                    " bf16); default: the path this process is on")
@@ -442,7 +468,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     batch = cfg.get("data", {}).get("batch_size", 16)
     seq = cfg.get("data", {}).get("seq_len", 256)
     started = time.strftime("%Y-%m-%d %H:%M:%S")
-    print(f"bench_vs_lightning: {args.config} | global batch {batch} x {seq} tokens | {args.warmup} warm-up +"
+    print(f"bench_vs_lightning: {args.config} | model {args.model} | global batch {batch} x {seq} tokens |"
+          f" {args.warmup} warm-up +"
           f" {args.steps} measured steps | {args.rounds} round(s) | arms {', '.join(arms)} | ISA {isa().description},"
           f" native bf16: {'yes' if isa().native_bf16 else 'no'}"
           f" | {len(os.sched_getaffinity(0))} cores | {started}", flush=True)

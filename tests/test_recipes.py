@@ -359,6 +359,44 @@ def test_bench_smoke(tmp_path, cache_dir, monkeypatch, capfd, bench_here):
     assert row and float(row.group(2)) == float(pairs.group(1)), out[-1500:]
 
 
+def test_hf_gpt2_trains_under_horizon_exactly_as_under_lightning(cache_dir):
+    """Hugging Face's GPT-2 (a model written outside the project; the bench's --model hf-gpt2) at tiny.yaml's shapes:
+    horizon's defaults (strategy, precision "auto", GradNormBackoff clipping to 1.0) give plain Lightning's 32-true
+    with gradient_clip_val=1.0 its losses bit for bit ("auto" computes this 64-wide model in fp32 on every CPU it
+    was measured on; the clip is torch's clip_grad_norm_'s)."""
+    pytest.importorskip("transformers")
+    import yaml
+
+    import bench_vs_lightning
+    import hf_gpt2
+    from lightning_horizon import GradNormBackoff, HorizonPrecision
+
+    assert bench_vs_lightning.model_class("hf-gpt2") is hf_gpt2.GPT2Pretrain
+    cfg = yaml.safe_load(Path(TINY).read_text())
+
+    class Losses(L.Callback):
+        def __init__(self):
+            self.losses = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.losses.append(outputs["loss"].item())
+
+    runs = {}
+    for arm in ("lightning", "horizon"):
+        L.seed_everything(0, verbose=False)
+        model, seen = hf_gpt2.GPT2Pretrain(**cfg["model"]), Losses()
+        ours = dict(strategy=HorizonStrategy(), plugins=[HorizonPrecision("auto")],
+                    callbacks=[GradNormBackoff(max_norm=1.0), seen])
+        theirs = dict(precision="32-true", gradient_clip_val=1.0, callbacks=[seen])
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=4, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                            **(ours if arm == "horizon" else theirs))
+        trainer.fit(model, lm_data.ByteCorpusDataModule(**cfg["data"], cache_dir=str(cache_dir)))
+        runs[arm] = seen.losses
+    assert len(runs["horizon"]) == 4 and runs["horizon"] == runs["lightning"], runs
+    assert runs["horizon"][-1] < runs["horizon"][0]
+
+
 def test_bench_paths_refuses_unknown_ones_and_drops_its_own_options(bench_here):
     import bench_vs_lightning as bench
 

@@ -390,8 +390,8 @@ def run_paths(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
             print(f"\n== path {path}" + (f" (ONEDNN_MAX_CPU_ISA={PATHS[path]})" if PATHS[path] else ""), flush=True)
             subprocess.run(cmd, env=env, check=True)
             results[path] = json.loads(out.read_text())
-    print("\n| path | best plain Lightning | horizon defaults | horizon / best | per round | MFU Lightning | MFU horizon |"
-          "\n|---|---|---|---|---|---|---|")
+    print("\n| path | best plain Lightning | horizon defaults | horizon / best | per round | MFU Lightning |"
+          " MFU horizon |\n|---|---|---|---|---|---|---|")
     for path, res in results.items():
         print(path_line(path, res))
     summary = {"paths": results}
@@ -508,7 +508,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         med = tokens / statistics.median([x for r in rs for x in r["intervals"]])
         rows.append({"foreign": max(r["foreign"] for r in rs), "arm": name, "kind": arm_spec(workers[name])["kind"],
                      "procs": rs[0]["world"], "threads": rs[0]["threads"], "tokens_per_sec": med,
-                     "min": min(tps), "max": max(tps), "rounds": tps, "peak_rss_mib": max(r["rss_sum"] for r in rs) / 2**20,
+                     "min": min(tps), "max": max(tps), "rounds": tps,
+                     "peak_rss_mib": max(r["rss_sum"] for r in rs) / 2**20,
                      "final_loss": statistics.median(r["final_loss"] for r in rs),
                      "mfu_fp32": med * fpt / peaks["fp32"],
                      # emulated bf16 (a few GFLOP/s) is no peak a step can reach: no MFU against it

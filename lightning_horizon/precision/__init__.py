@@ -11,7 +11,9 @@ Modes (``plugins=[HorizonPrecision(...)]``):
 
 ``compute="auto"`` picks bf16 compute only where bf16 matmuls run in hardware (AVX512-BF16 or AMX on x86, BF16 on
 Arm, a bf16 GPU). Elsewhere a bf16 matmul is emulated and 10-100x slower than fp32, so the weights are upcast and
-everything computes in fp32 (bf16-true then still halves weight memory). Bytes per parameter: docs/precision.md.
+everything computes in fp32 (bf16-true then still halves weight memory). Where bf16 is native, a model whose
+matmuls are narrower than the measured crossover (``cpu.BF16_MIN_WIDTH``) also computes in fp32: bf16 is slower
+there. Bytes per parameter: docs/precision.md.
 
 The rooms: ``plugin.py`` (HorizonPrecision: validation, the choice of policy, what every mode shares),
 ``policy.py`` (the policy contract), ``mixed.py``, ``bf16_true.py`` (what both bf16-true policies share),

@@ -48,7 +48,8 @@ class HorizonPrecision(Precision):
             master), or ``"auto"`` (= ``"bf16-mixed"``: the right choice on any hardware).
         master: bf16-true only: ``"kahan"`` (default; bf16 weights + bf16 compensation, bf16 optimizer state
             between steps) or ``"fp32"`` (an fp32 master copy the optimizer updates, copied back each step).
-        compute: ``"auto"`` (bf16 only where it runs in hardware), ``"bf16"`` or ``"fp32"`` (force).
+        compute: ``"auto"`` (bf16 only where it runs in hardware and the model's matmuls are wide enough for it to
+            win), ``"bf16"`` or ``"fp32"`` (force).
         backend: ``"native"`` (torch), ``"ipex"`` or ``"auto"`` (``ipex.optimize`` when it imports, matches
             torch and the step computes in bf16; otherwise native, with a message). Applies to bf16-mixed;
             bf16-true manages its own weights.

@@ -354,6 +354,31 @@ def test_int8_codec_error_is_within_half_a_step_and_keeps_overflow_visible():
     assert ((bf16.decode(bf16.encode(y), 64) - y).abs() <= y.abs() * 2**-8).all()
 
 
+@pytest.mark.parametrize("block", [3, 50, 256])
+def test_int8_blocks_of_any_size_round_trip_as_the_reference_quantization(block):
+    """Any ``int8_block`` >= 1 is allowed: a row's scales then start at a byte offset that need not be 4-aligned (a
+    block of 3 or 50 crashed decoding the one-row sum). Each value is its block's ``round(x / s)`` times ``s`` with
+    ``s = max|x| / 127``, computed here apart from the codec; and the compressed allreduce of one rank gives the
+    value back, what it lost held as the error (to fp32 rounding)."""
+    from lightning_horizon.collectives.accounting import CommAccounting
+    from lightning_horizon.collectives.comm import Comm
+    from lightning_horizon.collectives.compression import compressed_allreduce
+    from lightning_horizon.topology import Topology
+
+    torch.manual_seed(0)
+    codec, c = Codec("int8", int8_block=block), block * 7
+    for rows in (1, 3):
+        x = torch.randn(rows, c) * 10
+        ref_scale = x.view(rows, -1, block).abs().amax(-1, keepdim=True) / 127
+        ref = (x.view(rows, -1, block) / ref_scale).round().clamp(-127, 127) * ref_scale
+        assert torch.equal(codec.decode(codec.encode(x), c), ref.view(rows, c))
+    alone = Comm(None, [0], Topology(world_size=1, rank=0, ranks_per_node=1), CommAccounting())
+    x = torch.randn(c + 1)  # padded to whole blocks inside
+    total, error = compressed_allreduce(x, alone, codec)
+    assert total.shape == error.shape == x.shape and (error.abs() > 0).any()
+    assert torch.allclose(total + error, x, rtol=0, atol=1e-6)  # the error feedback holds what the codec lost
+
+
 def test_error_feedback_follows_parameters_across_a_bucket_rebuild():
     a, b = torch.nn.Parameter(torch.zeros(2, 3)), torch.nn.Parameter(torch.zeros(5))
     ef = ErrorFeedback([("a", a), ("b", b)])

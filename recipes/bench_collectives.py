@@ -3,6 +3,7 @@
     python recipes/bench_collectives.py                 # as root: network namespaces + veth (+ a tbf run)
     python recipes/bench_collectives.py --no-netns      # everything on loopback (no interface counters)
     python recipes/bench_collectives.py --rate 500mbit --sizes 1,8,64 --reps 5 --with-int8
+    python recipes/bench_collectives.py --codec --sizes 2,8,64      # the codecs alone, in GB/s against copy_
 
 As root, with iproute2, each emulated node gets its own network namespace, joined to the other by a veth pair:
 intra-node traffic stays on the namespace's loopback, inter-node traffic crosses the veth, and both are read
@@ -36,6 +37,7 @@ import torch.distributed as dist
 from lightning_horizon.collectives import CollectivesConfig, CostModel, GradientSync, Link
 from lightning_horizon.collectives.cost_model import BucketPlanner
 from lightning_horizon.collectives.layout import Piece
+from lightning_horizon.collectives.chunks import FP32
 from lightning_horizon.collectives.probe import probe
 from lightning_horizon.topology import ProcessGroups, Topology
 from lightning_horizon.state import TrainingState
@@ -252,6 +254,40 @@ def predictions(title: str, model: CostModel, mib: float = 8) -> None:
                   f" {q * 1e3:>9.2f} {f.time / min(h.time, piped.time):>9.2f}  {inter:>41}  {auto}")
 
 
+def codec_table(sizes: list[float], reps: int) -> None:
+    """The codecs alone, in this process on all its threads: GB/s of fp32 encoded and decoded, against a plain
+    ``copy_`` of the same tensor (the memory bandwidth a single pass over it can reach), and the whole compressed
+    allreduce of one rank (what the probe times for the cost model), per size."""
+    from lightning_horizon.collectives.compression import Codec
+    from lightning_horizon.collectives.probe import codec_seconds
+
+    def best(fn) -> float:
+        fn()
+        return min(_timed(fn) for _ in range(reps))
+
+    print(f"\n== codecs alone ({torch.get_num_threads()} threads): GB/s of fp32, best of {reps}")
+    print(f"  MiB   copy_   {'   '.join(f'{n} encode / decode / allreduce alone' for n in ('int8', 'bf16'))}")
+    for mib in sizes:
+        numel = int(mib * MIB) // 4
+        x = torch.randn(1, numel)
+        gbs = lambda seconds: 4 * numel / seconds / 1e9  # noqa: E731
+        y = torch.empty_like(x)
+        row = [f"{gbs(best(lambda: y.copy_(x))):7.1f}"]
+        for name in ("int8", "bf16"):
+            codec = Codec(name)
+            packed = codec.encode(x)
+            encode, decode = best(lambda: codec.encode(x)), best(lambda: codec.decode(packed, numel))
+            alone = FP32 / codec_seconds(name, numel=numel, repeats=reps) / 1e9  # per encode or decode, as the probe
+            row.append(f"{gbs(encode):6.2f} / {gbs(decode):6.2f} / {alone:6.2f}")
+        print(f"  {mib:>3g}  " + "   ".join(row))
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes", type=lambda s: [float(v) for v in s.split(",")], default=[1, 2, 4, 8, 16, 32, 64])
@@ -263,11 +299,15 @@ def main() -> None:
     p.add_argument("--chunk-mb", type=float, default=CollectivesConfig().pipeline_chunk_mb,
                    help="pipeline chunk of the two-level algorithms (MiB)")
     p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--codec", action="store_true", help="only the codecs alone, against copy_ (no ranks, no root)")
     p.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker is not None:
         worker(args.worker, args)
+        return
+    if args.codec:
+        codec_table(args.sizes, args.reps)
         return
     netns = not args.no_netns and os.geteuid() == 0 and shutil.which("ip") is not None
     if not args.no_netns and not netns:

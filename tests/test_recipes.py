@@ -447,6 +447,19 @@ def test_bench_layout_arms():
 # (bench_vs_lightning: test_bench_smoke above; pretrain_gpt and risk_classifier: their tests above)
 
 
+def test_bench_collectives_codec_table(monkeypatch, capsys):
+    """--codec: the codecs alone against copy_, one row per size, each figure a finite positive GB/s."""
+    import bench_collectives
+
+    monkeypatch.setattr(sys, "argv", ["bench_collectives.py", "--codec", "--sizes", "0.25,1", "--reps", "2"])
+    bench_collectives.main()
+    out = capsys.readouterr().out
+    table = out[out.index("== codecs alone"):].splitlines()[2:]
+    rows = [line.replace("/", " ").split() for line in table if line.strip()]  # MiB, copy_, 3 x int8, 3 x bf16
+    assert [r[0] for r in rows] == ["0.25", "1"] and all(len(r) == 8 for r in rows), out
+    assert all(0 < float(v) < float("inf") for r in rows for v in r[1:]), out
+
+
 def test_bench_collectives_smoke(monkeypatch, capsys):
     """Loopback, 4 ranks as 2 x 2, one small size: every algorithm (and int8) reduces a bucket, the accounted
     inter-node bytes are the cost model's, and the predictions print. The ranks run the script's ``__main__``."""

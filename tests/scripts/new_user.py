@@ -5,7 +5,10 @@ usage: python new_user.py YAML_DIR
 1. LightningCLI (``run=False``, Lightning's BoringModel) parses each way of naming the strategy, first before
    anything imported lightning_horizon (as in an unmodified script), then after ``import lightning_horizon``; one
    ``CHECK <form>: <strategy class> | error <message>`` line each.
-2. Three short fits with Lightning's progress bar on, as a user would run them, whose printed lines the test reads:
+2. Three short fits with Lightning's progress bar on, as a user would run them, whose printed lines the test reads
+   (tqdm's bar, Lightning's default without ``rich``; with ``rich`` installed, as ``transformers`` brings it, the
+   default is RichProgressBar, which shows the same metrics as ``tok/s: 22973`` and redraws from a thread of its
+   own, so its last frame of one fit can land after the next fit's first line):
    a token model for 20 steps with the default Trainer and a default ThroughputMFUMonitor (then validate and
    test), an image model (no sequence axis) following ``log_every_n_steps=4``, and a sharded fit of a step that
    reads a value (the fake profile falls back to a real one).
@@ -126,12 +129,14 @@ class ReadsAValue(L.LightningModule):
 def fits() -> None:
     from lightning_horizon import HorizonPrecision, HorizonStrategy, MemoryMonitor, ThroughputMFUMonitor
 
+    from lightning.pytorch.callbacks import TQDMProgressBar
+
     quiet = {"logger": False, "enable_checkpointing": False, "enable_model_summary": False}
     g = torch.Generator().manual_seed(0)
     tokens = TensorDataset(torch.randint(0, 64, (160, 16), generator=g), torch.randint(0, 64, (160, 16), generator=g))
     print("FIT tokens", flush=True)  # the default Trainer: log_every_n_steps=50, more than the run's 20 steps
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy="horizon", max_steps=20, plugins=[HorizonPrecision()],
-                        callbacks=[ThroughputMFUMonitor()], **quiet)
+                        callbacks=[ThroughputMFUMonitor(), TQDMProgressBar()], **quiet)
     model = Tokens()
     trainer.fit(model, DataLoader(tokens, batch_size=8), DataLoader(tokens, batch_size=40))
     trainer.validate(model, DataLoader(tokens, batch_size=40), verbose=False)
@@ -141,13 +146,15 @@ def fits() -> None:
     images = TensorDataset(torch.randn(64, 3, 8, 8, generator=g), torch.randint(0, 10, (64,), generator=g))
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy="horizon", max_steps=8, log_every_n_steps=4,
                         plugins=[HorizonPrecision()], **quiet,
-                        callbacks=[ThroughputMFUMonitor(window_size=3, peak_matmul_sizes=(256,)), MemoryMonitor()])
+                        callbacks=[ThroughputMFUMonitor(window_size=3, peak_matmul_sizes=(256,)), MemoryMonitor(),
+                                   TQDMProgressBar()])
     trainer.fit(Images(), DataLoader(images, batch_size=8))
 
     print("FIT sharded", flush=True)
     rows = TensorDataset(torch.randn(32, 16, generator=g), torch.randint(0, 4, (32,), generator=g))
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=HorizonStrategy(sharding="auto"), max_steps=3,
-                        callbacks=[ThroughputMFUMonitor(window_size=2, peak_matmul_sizes=(256,))], **quiet)
+                        callbacks=[ThroughputMFUMonitor(window_size=2, peak_matmul_sizes=(256,)), TQDMProgressBar()],
+                        **quiet)
     trainer.fit(ReadsAValue(), DataLoader(rows, batch_size=8))
     print("DONE", flush=True)
 

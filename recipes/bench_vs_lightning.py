@@ -262,14 +262,18 @@ def worker(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------------------------------- driver side
 
 
+def named_arms(args: argparse.Namespace) -> list[str]:
+    """The arms ``--arms`` names (without the layout arms of ``--layouts``)."""
+    if args.arms == "all":  # every arm this machine can run (an allocator arm needs its library)
+        return [a for a in ARMS if not ARMS[a].get("preload") or find_allocator(ARMS[a]["preload"])]
+    given = args.arms if args.arms is not None else ("" if args.layouts else DEFAULT_ARMS)
+    return [a.strip() for a in given.split(",") if a.strip()]
+
+
 def select_arms(args: argparse.Namespace, cfg: dict[str, Any]) -> tuple[list[str], dict[str, str], str]:
     """The arms to run (row names), the worker arm of each (``horizon-tuned`` -> ``horizon@RxT``), and why the
     tuned arm has its layout ("" without one)."""
-    if args.arms == "all":  # every arm this machine can run (an allocator arm needs its library)
-        arms = [a for a in ARMS if not ARMS[a].get("preload") or find_allocator(ARMS[a]["preload"])]
-    else:
-        given = args.arms if args.arms is not None else ("" if args.layouts else DEFAULT_ARMS)
-        arms = [a.strip() for a in given.split(",") if a.strip()]
+    arms = named_arms(args)
     if args.layouts:
         machine = Machine.here()
         layouts = candidates(machine.cores, machine.domains) if args.layouts == "all" else \
@@ -380,8 +384,7 @@ def run_paths(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
             out = Path(tmp) / f"{path}.json"
             cmd = [sys.executable, str(Path(__file__).resolve()), *drop_option(drop_option(argv, "--paths"), "--json"),
                    "--json", str(out)]
-            given = args.arms if args.arms is not None else ("" if args.layouts else DEFAULT_ARMS)
-            arms = [a.strip() for a in given.split(",") if a.strip()]
+            arms = named_arms(args)
             kept = [a for a in arms if a == TUNED or arm_spec(a).get("precision") != "bf16-mixed"]
             if kept != arms and not (uncapped.native_bf16 and not PATHS[path]):
                 # emulated bf16 (20-100x slower than fp32) is no choice a user makes on that path

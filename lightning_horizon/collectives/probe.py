@@ -31,8 +31,9 @@ from lightning_horizon.topology import ProcessGroups, Topology
 SMALL_NUMEL = 256  # 1 KiB: latency-bound
 LARGE_NUMEL = 1 << 18  # 1 MiB: bandwidth-bound, short even on a 1 Gbit/s link (about 16 ms per ring)
 # 2 MiB, the default pipeline chunk, which a pipelined two-level reduction codes a slice of at a time. Per
-# element, larger tensors can cost more: where each call's fresh buffers are page-faulted in again (int8 with
-# glibc malloc, measured here: 4x at 8 MiB), a bucket compressed in one piece pays more than the figure says.
+# element, larger tensors can cost more: the compressed allreduce's own buffers are fresh at every call, and glibc
+# faults a freed multi-MiB one in again page by page (`bench_collectives.py --codec`: int8 about 2 GB/s at 2-8 MiB,
+# 1.4 at 64 MiB), so a bucket compressed in one piece pays more than the figure says.
 CODEC_NUMEL = 1 << 19
 REPEATS = 5
 

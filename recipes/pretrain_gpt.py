@@ -63,6 +63,7 @@ class GPTPretrain(L.LightningModule):
         vocab_size: vocabulary (256: bytes).
         dropout: dropout on attention and residual branches.
         attention: ``"auto"``, ``"sdpa"`` or ``"manual"`` (see ``GPTConfig.attention``: measured per dtype and length).
+        gelu: the MLP's GELU, ``"none"`` (exact) or ``"tanh"`` (GPT-2's approximation; see ``GPTConfig.gelu``).
         lr: peak learning rate.
         min_lr_ratio: the cosine decays to ``lr * min_lr_ratio`` at the last step.
         warmup_steps: linear warm-up steps.
@@ -82,6 +83,7 @@ class GPTPretrain(L.LightningModule):
         vocab_size: int = VOCAB_SIZE,
         dropout: float = 0.0,
         attention: str = "auto",
+        gelu: str = "none",
         lr: float = 2e-3,
         min_lr_ratio: float = 0.1,
         warmup_steps: int = 50,
@@ -100,7 +102,7 @@ class GPTPretrain(L.LightningModule):
             raise ValueError(f"GPTPretrain(warmup_steps={warmup_steps!r}): allowed is an int >= 0")
         self.save_hyperparameters()
         self.cfg = GPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head,
-                             n_embd=n_embd, dropout=dropout, attention=attention)
+                             n_embd=n_embd, dropout=dropout, attention=attention, gelu=gelu)
         self.model = GPT(self.cfg)
         self.val_ppl = Perplexity()
         self.flops_per_batch: Optional[int] = None  # read by ThroughputMonitor

@@ -18,6 +18,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -142,6 +143,32 @@ def test_gpt_rejects_bad_shapes():
         pretrain_gpt.GPTConfig(n_embd=100, n_head=3)
     with pytest.raises(ValueError, match="optimizer_impl"):
         pretrain_gpt.GPTPretrain(optimizer_impl="sgd")
+    with pytest.raises(ValueError, match=r"GPTConfig\(gelu='erf'\): allowed are \('tanh', 'none'\)"):
+        pretrain_gpt.GPTPretrain(gelu="erf")
+
+
+@pytest.mark.parametrize("gelu", ["none", "tanh"])
+def test_gpt_attention_and_gelu_are_the_textbook_forms(gelu):
+    """float64: the written-out attention (mask and scale inside one baddbmm) gives the sdpa kernel's outputs and
+    gradients, and the MLP is F.gelu of that form (a wrong mask, scale or GELU would be off by far more)."""
+    from gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    cfgs = [GPTConfig(vocab_size=32, block_size=12, n_layer=2, n_head=2, n_embd=16, gelu=gelu, attention=a)
+            for a in ("manual", "sdpa")]
+    a, b = (GPT(c).double() for c in cfgs)
+    b.load_state_dict(a.state_dict())
+    x = torch.randint(0, 32, (3, 10))
+    ya, yb = a(x), b(x)
+    ya.square().sum().backward(), yb.square().sum().backward()
+    assert (ya - yb).abs().max().item() < 1e-12
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert (pa.grad - pb.grad).abs().max().item() < 1e-12, name
+    h = torch.randn(4, 16, dtype=torch.float64)
+    mlp = a.blocks[0].mlp
+    assert torch.equal(mlp(h), mlp.proj(F.gelu(mlp.fc(h), approximate=gelu)))
+    other = "tanh" if gelu == "none" else "none"
+    assert (mlp(h) - mlp.proj(F.gelu(mlp.fc(h), approximate=other))).abs().max().item() > 1e-9
 
 
 def test_resumed_sampler_continues_the_epoch():
@@ -357,6 +384,34 @@ def test_bench_smoke(tmp_path, cache_dir, monkeypatch, capfd, bench_here):
     row = re.search(r"^\| avx2 \| lightning-32@1x2 [\d,]+ tok/s \| horizon-tuned [\d,]+ tok/s \| ([\d.]+)x \|"
                     r" ([\d.]+) \| \d+% of fp32 \| \d+% of fp32 \|$", out, re.M)
     assert row and float(row.group(2)) == float(pairs.group(1)), out[-1500:]
+
+
+def test_bench_node_quick_runs_every_stage(tmp_path, cache_dir, bench_here):
+    """bench_node's --quick: the tuner, the bench with the tuned arm reading the tuner's own cache (not the user's),
+    and the profile, each a child process, at the one layout 1 x cores of tiny.yaml; node.json and the table."""
+    import json
+
+    import bench_node
+
+    result = bench_node.main(["--quick", "--out", str(tmp_path), "--batch", "8", "--budget", "400",
+                              "--cache-dir", str(cache_dir)])
+    n = result["cores"]
+    assert list(result["stages"]) == ["tune-small", "bench", f"profile-1x{n}"], result["stages"]
+    assert all(st["rc"] == 0 for st in result["stages"].values()), {k: v["log_tail"] for k, v in
+                                                                    result["stages"].items()}
+    assert json.loads((tmp_path / "node.json").read_text())["stages"].keys() == result["stages"].keys()
+    (entry,) = bench_node._entries(result["layouts"])  # tuned into OUT/layouts.json
+    assert (entry["ranks"], entry["threads"]) == (1, n) and entry["workload"]["global_batch"] == 8
+    rows = {r["arm"]: r for r in result["bench"]["rows"]}
+    assert set(rows) == {f"lightning-32@1x{n}", "horizon-tuned"}
+    assert (rows["horizon-tuned"]["procs"], rows["horizon-tuned"]["threads"]) == (1, n)
+    assert rows["horizon-tuned"]["final_loss"] == pytest.approx(rows[f"lightning-32@1x{n}"]["final_loss"], rel=1e-3)
+    prof = result["stages"][f"profile-1x{n}"]["result"]
+    assert prof["devices"] == 1 and prof["threads"] == n and 0 < prof["mfu"] < 1
+    table = bench_node.summary(result)
+    ratio = rows["horizon-tuned"]["tokens_per_sec"] / rows[f"lightning-32@1x{n}"]["tokens_per_sec"]
+    assert f"horizon-tuned / best Lightning layout (lightning-32@1x{n}): {ratio:.2f}x" in table, table
+    assert f"tuned (2x64, 8 x 64): 1x{n}" in table and f"profile-1x{n}: " in table, table
 
 
 def test_hf_gpt2_trains_under_horizon_exactly_as_under_lightning(cache_dir):

@@ -317,6 +317,23 @@ def test_probe_measures_the_codecs_without_a_process_group():
     assert "codec int8" in model.describe()
 
 
+def test_the_codec_timed_in_place_is_what_makes_the_model_give_the_measured_time():
+    """The in-place figure: a reduction measured at the model's time for its bytes plus its coded elements at s
+    gives s back (the model then predicts the measured time), never below the solo figure; a codec not coded here
+    (one node) keeps the solo figure."""
+    from lightning_horizon.collectives.probe import CODEC_NUMEL, in_place_seconds
+
+    coded = coded_per_rank(CODEC_NUMEL // 2, 2, 256)  # each rank's half of the chunk, across the 2 nodes
+    wire = LAN.predict("hierarchical", CODEC_NUMEL, 2, 2, "int8", chunk_numel=CODEC_NUMEL).time
+    s = in_place_seconds(wire + coded * 7e-9, LAN, 2, 2, "int8", 256, solo=1e-9)
+    assert s == pytest.approx(7e-9, rel=1e-9)
+    model = CostModel(LAN.intra, LAN.inter, codec={"int8": s})
+    assert model.predict("hierarchical", CODEC_NUMEL, 2, 2, "int8", chunk_numel=CODEC_NUMEL).time == pytest.approx(
+        wire + coded * 7e-9, rel=1e-9)
+    assert in_place_seconds(wire * 0.5, LAN, 2, 2, "int8", 256, solo=1e-9) == 1e-9  # faster than its bytes: solo
+    assert in_place_seconds(wire, LAN, 1, 4, "int8", 256, solo=1e-9) == 1e-9  # one node: nothing coded
+
+
 def test_a_bucket_auto_sends_uncompressed_carries_its_residual_exactly():
     """With compression configured, ``auto`` may send a bucket uncompressed: the residual fed back into it goes
     along, exactly, and is then spent (world of one: nothing to compress, so ``auto`` never compresses)."""
@@ -335,7 +352,7 @@ def test_a_bucket_auto_sends_uncompressed_carries_its_residual_exactly():
     out = sync.reduce(bucket).wait()
     assert sync.planner.choices[8][2] is None
     assert torch.equal(out, grads + residual)
-    assert sync.error_feedback.gather(bucket) is None  # spent: nothing is fed back twice
+    assert not sync.error_feedback.residual  # spent: nothing is fed back twice
 
 
 # ---------------------------------------------------------------------- codecs and error feedback
@@ -379,20 +396,32 @@ def test_int8_blocks_of_any_size_round_trip_as_the_reference_quantization(block)
     assert torch.allclose(total + error, x, rtol=0, atol=1e-6)  # the error feedback holds what the codec lost
 
 
+def _fed_back(ef: ErrorFeedback, params: list) -> torch.Tensor:
+    """What ``ef`` adds to a bucket of ``params`` holding ones (bucket layout)."""
+    x = torch.ones(sum(p.numel() for p in params))
+    ef.add_to(Piece.contiguous(params), x)
+    return x - 1
+
+
 def test_error_feedback_follows_parameters_across_a_bucket_rebuild():
     a, b = torch.nn.Parameter(torch.zeros(2, 3)), torch.nn.Parameter(torch.zeros(5))
     ef = ErrorFeedback([("a", a), ("b", b)])
-    assert ef.gather(Piece.contiguous([a, b])) is None  # nothing fed back yet
+    assert torch.equal(_fed_back(ef, [a, b]), torch.zeros(11))  # nothing fed back yet
     ef.scatter(Piece.contiguous([a, b]), torch.arange(11.0))  # iteration 0: one bucket [a, b]
     # After the rebuild: [b] and [a] in their own buckets, in the other order.
-    assert torch.equal(ef.gather(Piece.contiguous([b])), torch.arange(6.0, 11.0))
-    assert torch.equal(ef.gather(Piece.contiguous([a])), torch.arange(6.0))
+    assert torch.equal(_fed_back(ef, [b]), torch.arange(6.0, 11.0))
+    assert torch.equal(_fed_back(ef, [a]), torch.arange(6.0))
+    held = ef.residual["a"]
+    ef.scatter(Piece.contiguous([b, a]), torch.arange(11.0, 22.0))  # stored into the tensors already held
+    assert ef.residual["a"] is held
+    assert torch.equal(_fed_back(ef, [a, b]), torch.cat([torch.arange(16.0, 22.0), torch.arange(11.0, 16.0)]))
     state = ef.state_dict()
+    assert all(state["residual"][n] is not ef.residual[n] for n in "ab")  # a copy: later steps do not change it
     fresh = ErrorFeedback([("a", a), ("b", b)])
     fresh.load_state_dict(state)
-    assert torch.equal(fresh.gather(Piece.contiguous([b, a])), torch.cat([torch.arange(6.0, 11.0), torch.arange(6.0)]))
+    assert torch.equal(_fed_back(fresh, [b, a]), torch.cat([torch.arange(11.0, 16.0), torch.arange(16.0, 22.0)]))
     ef.scatter(Piece.contiguous([a]), None)  # consumed without compression: zero
-    assert ef.gather(Piece.contiguous([a])) is None
+    assert "a" not in ef.residual and torch.equal(_fed_back(ef, [a]), torch.zeros(6))
     with pytest.raises(ValueError, match="shape"):
         fresh.load_state_dict({"residual": {"a": torch.zeros(3)}})
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_horizon.collectives.comm import Comm
-from lightning_horizon.collectives.compression import Codec, compressed_allreduce
+from lightning_horizon.collectives.compression import Codec, CompressedAllreduce, compressed_allreduce
 from lightning_horizon.collectives.chunks import chunk_sizes
 
 
@@ -58,9 +58,11 @@ def two_level(
     compressed.
 
     The tensor goes through in chunks of about ``chunk_numel`` elements, pipelined: while chunk k crosses the
-    column (the slow link), the row reduce-scatters chunk k+1 and all-gathers chunk k-1. Row and column are
-    different process groups, so their collectives run side by side. Chunk k's all-gather writes over chunk k
-    of the input, which its reduce-scatter has finished reading; chunk k+1, being read, is elsewhere.
+    column (the slow link), the row reduce-scatters chunk k+1 and all-gathers an earlier chunk. Row and column are
+    different process groups, so their collectives run side by side. Chunk k's all-gather writes over chunk k of
+    the input, which its reduce-scatter has finished reading; chunk k+1, being read, is elsewhere. A compressed
+    column stage is pipelined in its turn (:class:`CompressedAllreduce`'s phases): the codec works on one chunk
+    while the bytes of the two before it are on the column's wire.
 
     Sums are fp32 whatever the tensor's dtype: a bf16 tensor crosses the row in bf16, its slices are summed
     and cross the column in fp32 (a partial sum in bf16 would be rounded), and the all-gather rounds the final
@@ -68,24 +70,47 @@ def two_level(
     """
     n = x.numel()
     sizes = chunk_sizes(n, row.size, chunk_numel)
+    starts = [sum(sizes[:k]) for k in range(len(sizes))]
     work = x if sum(sizes) == n else F.pad(x, (0, sum(sizes) - n))
     pieces = work.split(sizes)
     error = torch.zeros_like(work) if codec is not None and col is not None and col.size > 1 else None
     gathers, slices = [], []  # running all-gathers, and the slices they send (alive until waited)
+    sent: list[tuple[int, CompressedAllreduce]] = []  # compressed column stages whose all-to-all is running
+    summed: list[tuple[int, CompressedAllreduce]] = []  # ... and those whose all-gather is running
+
+    def land(k: int, mine: torch.Tensor) -> None:  # chunk k's slice of the world's sum: average, all-gather
+        mine.div_(divisor)
+        slices.append(mine)
+        gathers.append(row.all_gather(pieces[k], mine, async_op=True))
+
+    def finish(k: int, op: CompressedAllreduce) -> None:
+        mine, slice_error = op.finish()
+        m = mine.numel()
+        error[starts[k] + row.index * m : starts[k] + (row.index + 1) * m] = slice_error
+        land(k, mine)
+
     started = row.reduce_scatter_start(pieces[0])
     for k in range(len(sizes)):
         mine = row.reduce_scatter_finish(started)
         if k + 1 < len(sizes):
             started = row.reduce_scatter_start(pieces[k + 1])  # runs while chunk k crosses the column
         if error is not None:
-            mine, slice_error = compressed_allreduce(mine, col, codec)
-            m, offset = mine.numel(), sum(sizes[:k])
-            error[offset + row.index * m : offset + (row.index + 1) * m] = slice_error
-        elif col is not None:
-            col.allreduce(mine)
-        mine.div_(divisor)
-        slices.append(mine)
-        gathers.append(row.all_gather(pieces[k], mine, async_op=True))
+            # The codec is pipelined too: chunk k is encoded while chunk k-1's all-to-all is on the wire, and chunk
+            # k-1 is summed and re-encoded while chunk k-2's all-gather is.
+            sent.append((k, CompressedAllreduce(mine, col, codec)))
+            if len(sent) == 2:
+                summed.append(sent.pop(0))
+                summed[-1][1].exchange()
+            if len(summed) == 2:
+                finish(*summed.pop(0))
+        else:
+            if col is not None:
+                col.allreduce(mine)
+            land(k, mine)
+    for k, op in sent:
+        op.exchange()
+    for k, op in summed + sent:
+        finish(k, op)
     for pending in gathers:
         if pending is not None:
             pending.wait()

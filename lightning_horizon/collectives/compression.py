@@ -78,28 +78,58 @@ def coded_elements(chunk: int, group: int) -> int:
     return 4 * group * chunk + 2 * chunk
 
 
+class CompressedAllreduce:
+    """One compressed allreduce in three phases, so that a pipeline can run the codec of one chunk while another
+    chunk's bytes are on the wire: :meth:`__init__` encodes and starts the all-to-all, :meth:`exchange` waits for it,
+    sums and re-encodes, and starts the all-gather; :meth:`finish` waits for that and decodes.
+
+    Between phases the collectives run on gloo's threads and this thread is free. Every phase of every instance is
+    called in an order that depends only on the tensor sizes, so every member issues the same collectives in the
+    same order. Run back to back, the phases are :func:`compressed_allreduce`.
+    """
+
+    def __init__(self, x: torch.Tensor, comm: Comm, codec: Codec) -> None:
+        """Encode ``x`` (1-D fp32) and start sending chunk ``j`` of it to member ``j``."""
+        self.n, g = x.numel(), comm.size
+        self.comm, self.codec = comm, codec
+        self.c = c = round_up(self.n, g * codec.block) // g
+        padded = F.pad(x, (0, g * c - self.n))
+        self._packed = codec.encode(padded.view(g, c))  # alive until the all-to-all that sends it is waited for
+        decoded = codec.decode(self._packed, c).view(-1)
+        self.error = torch.sub(padded, decoded, out=decoded)  # what the encoding lost, written over its decoded values
+        self._received = torch.empty_like(self._packed)
+        self._work = comm.all_to_all(self._received, self._packed, async_op=True)
+
+    def exchange(self) -> None:
+        """Sum the received chunks in fp32 (member order: the same sum on every member), encode this member's sum
+        and start gathering every member's."""
+        if self._work is not None:
+            self._work.wait()
+        c, comm, codec = self.c, self.comm, self.codec
+        total = codec.decode(self._received, c).sum(dim=0)
+        self._packed = mine = codec.encode(total.view(1, c))
+        # The re-encoding's loss belongs to the sum: fed back by this rank alone, it re-enters the next sum once.
+        self.error[comm.index * c : (comm.index + 1) * c] += total - codec.decode(mine, c).view(-1)
+        self._received = torch.empty((comm.size, mine.shape[1]), dtype=torch.uint8)
+        self._work = comm.all_gather(self._received, mine, async_op=True)
+
+    def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The group's sum of ``x``, and what this rank's encodings lost (same length as ``x``)."""
+        if self._work is not None:
+            self._work.wait()
+        # A non-finite entry of ``error`` comes with a non-finite sum: the hook then keeps the previous residual.
+        return self.codec.decode(self._received, self.c).view(-1)[: self.n], self.error[: self.n]
+
+
 def compressed_allreduce(x: torch.Tensor, comm: Comm, codec: Codec) -> tuple[torch.Tensor, torch.Tensor]:
     """The group's sum of ``x`` (1-D fp32), and what this rank's encodings lost (same length as ``x``)."""
-    n, g = x.numel(), comm.size
-    c = round_up(n, g * codec.block) // g
-    padded = F.pad(x, (0, g * c - n))
-    packed = codec.encode(padded.view(g, c))
-    decoded = codec.decode(packed, c).view(-1)
-    error = torch.sub(padded, decoded, out=decoded)  # what the encoding lost, written over its decoded values
-    received = torch.empty_like(packed)
-    comm.all_to_all(received, packed)
-    total = codec.decode(received, c).sum(dim=0)  # fp32, in member order: the same sum on every rank
-    mine = codec.encode(total.view(1, c))
-    # The re-encoding's loss belongs to the sum: fed back by this rank alone, it re-enters the next sum once.
-    error[comm.index * c : (comm.index + 1) * c] += total - codec.decode(mine, c).view(-1)
-    gathered = torch.empty((g, mine.shape[1]), dtype=torch.uint8)
-    comm.all_gather(gathered, mine)
-    # A non-finite entry of ``error`` comes with a non-finite sum: the hook then keeps the previous residual.
-    return codec.decode(gathered, c).view(-1)[:n], error[:n]
+    op = CompressedAllreduce(x, comm, codec)
+    op.exchange()
+    return op.finish()
 
 
 class ErrorFeedback:
-    """Per-parameter residuals of the compression, gathered into and scattered from bucket layout."""
+    """Per-parameter residuals of the compression, added into a bucket and stored back from it (bucket layout)."""
 
     def __init__(self, named_parameters: list[tuple[str, torch.Tensor]]) -> None:
         self._names = {id(p): name for name, p in named_parameters}
@@ -111,24 +141,25 @@ class ErrorFeedback:
         """``(name, offset in the bucket's buffer, numel)`` per parameter of the bucket."""
         return [(self._names[id(p)], offset, p.numel()) for p, offset in zip(bucket.parameters(), offsets(bucket))]
 
-    def gather(self, bucket) -> Optional[torch.Tensor]:
-        """The residual of the bucket's parameters in bucket layout; ``None`` while it is all zero."""
-        layout = self._layout(bucket)
-        if not any(name in self.residual for name, _, _ in layout):
-            return None
-        out = torch.zeros(bucket.buffer().numel(), dtype=torch.float32)
-        for name, offset, numel in layout:
-            if name in self.residual:
-                out[offset : offset + numel] = self.residual[name].view(-1)
-        return out
+    def add_to(self, bucket, x: torch.Tensor) -> None:
+        """Add the residual of the bucket's parameters to ``x`` (the bucket's values, bucket layout), in place: no
+        bucket-sized tensor (a fresh one per step costs its page faults)."""
+        for name, offset, numel in self._layout(bucket):
+            held = self.residual.get(name)
+            if held is not None:
+                x[offset : offset + numel].add_(held.view(-1))
 
     def scatter(self, bucket, error: Optional[torch.Tensor]) -> None:
-        """Store ``error`` (bucket layout) as the new residual of the bucket's parameters; ``None``: all zero."""
+        """Store ``error`` (bucket layout) as the new residual of the bucket's parameters, into the tensors already
+        held where there are; ``None``: all zero."""
         for name, offset, numel in self._layout(bucket):
+            held = self.residual.get(name)
             if error is None:
                 self.residual.pop(name, None)
-            else:
+            elif held is None:
                 self.residual[name] = error[offset : offset + numel].view(self._shapes[name]).clone()
+            else:
+                held.view(-1).copy_(error[offset : offset + numel])
 
     def scale(self, params: list[torch.Tensor], factor: float) -> None:
         """Multiply the residuals of ``params`` by ``factor`` (their step's gradients were scaled by it)."""

@@ -66,6 +66,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                    " no 125M stage")
     p.add_argument("--cache-dir", default=None, help="token cache (default ~/.cache/lightning_horizon)")
     a = p.parse_args(argv)
+    if not a.budget > 0 or a.batch < 1:
+        p.error(f"--budget={a.budget} --batch={a.batch}: allowed are a budget > 0 seconds and a batch >= 1")
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + a.budget

@@ -18,8 +18,8 @@ cores that also train. The model counts it as seconds per element encoded or dec
 measured by the probe), for every element a compressed stage codes on a rank, on the thread that issues it, in
 series with that stage's bytes. The hooks pipeline the codec of one chunk with the wire of the chunks before it,
 but where a node's ranks already fill its cores with coding, summing and copying (2 cores, 2 ranks each of 2
-nodes: docs/collectives.md) that overlap did not show, and the series form predicted the measured times within 22%
-at 8-64 MiB where the overlapped one was 40-55% short.
+nodes: docs/collectives.md) that overlap did not show: the series form predicted the measured speed-ups within 8%
+at 8-64 MiB, where the overlapped one predicted 40-55% less time than measured.
 """
 
 from __future__ import annotations

@@ -1,11 +1,15 @@
-"""Benchmark: HorizonStrategy(state="replicated") against state="node_sharded" on one node, 2 and 4 ranks.
+"""Benchmark: HorizonStrategy(state="replicated") against state="node_sharded" on one node, 2 and 4 ranks, and
+against what a user would pick instead, torch's FSDP2.
 
-The arms (``--arms``): replicated, node_sharded (one shared copy of the weights per node) and node_sharded-copies
-(``node_weights="copies"``: a copy per rank, the owners' updates broadcast inside the node after each step).
+The arms (``--arms``): replicated, node_sharded (one shared copy of the weights per node), node_sharded-copies
+(``node_weights="copies"``: a copy per rank, the owners' updates broadcast inside the node after each step), and
+fsdp2 (``fully_shard`` on every block and the model, under Lightning's ``ModelParallelStrategy`` with
+``data_parallel_size`` = ranks; with ``--precision bf16-true-fp32`` its bf16 ``MixedPrecisionPolicy``).
 
     python recipes/bench_state.py                                           # 2 and 4 ranks, fp32, 2 rounds
     python recipes/bench_state.py --ranks 2,4 --precision bf16-true-fp32 --fit-memory 2GiB
-    python recipes/bench_state.py --smoke --arms replicated,node_sharded --fit-memory 4GiB  # CI: 2 runs
+    python recipes/bench_state.py --arms replicated,node_sharded,fsdp2 --precision bf16-true-fp32
+    python recipes/bench_state.py --smoke --arms replicated,node_sharded,fsdp2 --fit-memory 4GiB  # CI: 3 runs
 
 Each arm (state x ranks) trains the recipes' GPTPretrain (recipes/pretrain_gpt.py: AdamW, same seed) on the byte
 corpus of recipes/lm_data.py for ``--warmup`` + ``--steps`` steps, in a fresh process group (tune.run_worker: its
@@ -36,18 +40,20 @@ Per arm:
 - peak RSS per rank (``VmHWM``, the largest rank), tokens/s (tune.StepTimer / tune.measure: the median step after
   the warm-up; the median over rounds, min-max shown), and the bytes all ranks together sent in the last step
   (``trainer.strategy.comm_metrics()`` read after that step: replicated ``comm/intra_bytes`` + ``comm/inter_bytes``
-  of its GradientSync, node_sharded ``bytes_intra`` + ``bytes_inter``). Also shown: the share of the machine other
-  processes took meanwhile (StepTimer's "foreign"; above a few percent, tokens/s measured the neighbours too) and
-  rank 0's loss at the last step (same seed, data and global batch: the two states should agree).
+  of its GradientSync, node_sharded ``bytes_intra`` + ``bytes_inter``; fsdp2 has no such count: its bytes are
+  computed from its collectives' sizes). Also shown: the share of the machine other processes took meanwhile
+  (StepTimer's "foreign"; above a few percent, tokens/s measured the neighbours too) and rank 0's loss at the last
+  step (same seed, data and global batch: the two states should agree).
 
-``--fit-memory SIZE`` then searches, for each state at the largest ``--ranks``, the widest GPT whose measured peak
-memory per node stays within SIZE: a ladder of ``n_embd`` = 64, 128, ... ``--fit-max-embd`` at fixed ``--n-layer``
-and ``--n-head`` (which must divide 64), binary-searched (a run that fails counts as "does not fit"), each
-candidate a fresh process group training ``--fit-steps`` steps (the first step allocates the optimizer state); it
-prints both models' parameters and the ratio. A candidate the table already ran (that state and rank count at
-``--n-embd``, with ``--warmup`` 1 and ``--steps`` = ``--fit-steps`` - 1, as ``--smoke`` has it) takes the table's
-peak (the largest over its rounds) instead of running again. The criterion is the measured peak only: no cgroup
-limit is set, so an over-budget candidate runs to its end (the ladder's top bounds what the search can allocate).
+``--fit-memory SIZE`` then searches, for each state (and FSDP2 when it is an arm) at the largest ``--ranks``, the
+widest GPT whose measured peak memory per node stays within SIZE: a ladder of ``n_embd`` = 64, 128, ...
+``--fit-max-embd`` at fixed ``--n-layer`` and ``--n-head`` (which must divide 64), binary-searched (a run that fails
+counts as "does not fit"), each candidate a fresh process group training ``--fit-steps`` steps (the first step
+allocates the optimizer state); it prints the models' parameters and the ratios. A candidate the table already ran
+(that state and rank count at ``--n-embd``, with ``--warmup`` 1 and ``--steps`` = ``--fit-steps`` - 1, as
+``--smoke`` has it) takes the table's peak (the largest over its rounds) instead of running again. The criterion is
+the measured peak only: no cgroup limit is set, so an over-budget candidate runs to its end (the ladder's top bounds
+what the search can allocate).
 """
 
 from __future__ import annotations
@@ -77,6 +83,11 @@ STATES = ("replicated", "node_sharded")  # the --fit-memory search compares thes
 #: "node_sharded-copies" keeps a copy per rank that the owners update by broadcast)
 ARMS = {"replicated": {"state": "replicated"}, "node_sharded": {"state": "node_sharded"},
         "node_sharded-copies": {"state": "node_sharded", "node_weights": "copies"}}
+#: what a user would pick instead, in the same table: torch's FSDP2 (``fully_shard`` on every block, then on the
+#: model) under Lightning's ``ModelParallelStrategy(data_parallel_size=ranks)``; with ``--precision bf16-true-fp32``
+#: its ``MixedPrecisionPolicy`` computes in bf16 on the fp32 sharded parameters and reduces in fp32 (the counterpart
+#: of bf16-true with fp32 masters)
+FOREIGN = ("fsdp2",)
 PRECISIONS = ("32-true", "bf16-true-fp32")
 MIB = 2**20
 SMOKE = dict(n_layer=1, n_head=2, n_embd=64, seq=32, batch=2, warmup=1, steps=1, rounds=1, ranks="2",
@@ -98,6 +109,27 @@ def worker(spec: dict[str, Any], out: str) -> None:
     from lm_data import ByteCorpusDataModule
     from pretrain_gpt import GPTPretrain
 
+    class FullyShardedGPT(GPTPretrain):
+        """The same GPT, fully sharded by FSDP2 over the strategy's data-parallel mesh."""
+
+        def configure_model(self) -> None:
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                      if spec["precision"] == "bf16-true-fp32" else MixedPrecisionPolicy())
+            mesh = self.device_mesh["data_parallel"]
+            for block in self.model.blocks:
+                fully_shard(block, mesh=mesh, mp_policy=policy)
+            fully_shard(self.model, mesh=mesh, mp_policy=policy)
+
+    def fsdp2_bytes(module: Any, ranks: int) -> dict[str, int]:
+        """What FSDP2 sends per step and rank, from its collectives' sizes: every parameter all-gathered for the
+        forward and again for the backward (in the compute dtype), every gradient reduce-scattered in fp32, each
+        moving (R-1)/R of its bytes per rank on a ring. Counted by no hook of ours: computed."""
+        numel = sum(p.numel() for p in module.parameters())  # DTensors: the whole parameter's element count
+        width = 2 if spec["precision"] == "bf16-true-fp32" else 4
+        return {"computed_intra_bytes": int((ranks - 1) / ranks * numel * (2 * width + 4))}
+
     class Probe(Callback):
         """Every rank: its largest PSS at a step end, the last step's communication and loss, to ``out.rankN.json``."""
 
@@ -105,11 +137,13 @@ def worker(spec: dict[str, Any], out: str) -> None:
             self.base, self.pss, self.state, self.comm, self.loss = base, 0, 0, {}, float("nan")
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, *_: Any) -> None:
-            self.pss, self.comm = max(self.pss, current_pss()), trainer.strategy.comm_metrics()
+            comm = getattr(trainer.strategy, "comm_metrics", None)
+            self.pss = max(self.pss, current_pss())
+            self.comm = comm() if comm else fsdp2_bytes(pl_module, trainer.world_size)
             self.loss = float(outputs["loss"])
             # the training state in live tensors, gradients still there; one shared copy of the weights counts 1/L
             held = held_bytes(pl_module, trainer.optimizers, trainer.precision_plugin)
-            node = trainer.strategy.node_state
+            node = getattr(trainer.strategy, "node_state", None)
             shared = node is not None and node.weights_mode == "shared"
             weights = held["weights"] // trainer.strategy.topology.ranks_per_node if shared else held["weights"]
             self.state = max(self.state, held["total"] - held["weights"] + weights)
@@ -120,18 +154,27 @@ def worker(spec: dict[str, Any], out: str) -> None:
                                              "comm": self.comm, "loss": self.loss}))
 
     L.seed_everything(1337, verbose=False)
-    precision = ({"precision": "32-true"} if spec["precision"] == "32-true"
-                 else {"plugins": [HorizonPrecision("bf16-true", master="fp32")]})
+    if spec["state"] in FOREIGN:  # FSDP2 computes in bf16 through its own policy (FullyShardedGPT)
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        torch.set_num_threads(spec["threads"])  # as HorizonStrategy's threads_per_rank does for our arms
+        strategy, precision, model_class = (ModelParallelStrategy(data_parallel_size=spec["ranks"],
+                                                                  tensor_parallel_size=1),
+                                            {"precision": "32-true"}, FullyShardedGPT)
+    else:
+        strategy = HorizonStrategy(**ARMS[spec["state"]], threads_per_rank=spec["threads"])
+        precision = ({"precision": "32-true"} if spec["precision"] == "32-true"
+                     else {"plugins": [HorizonPrecision("bf16-true", master="fp32")]})
+        model_class = GPTPretrain
     probe = Probe(current_pss())  # before this rank builds the model: what training adds is measured from here
     trainer = L.Trainer(
         accelerator="cpu", devices=spec["ranks"], max_steps=spec["steps"], logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-        strategy=HorizonStrategy(**ARMS[spec["state"]], threads_per_rank=spec["threads"]),
-        callbacks=[StepTimer(), probe],
-        **precision)
-    trainer.fit(GPTPretrain(**spec["model"]), ByteCorpusDataModule(**spec["data"]))
+        strategy=strategy, callbacks=[StepTimer(), probe], **precision)
+    trainer.fit(model_class(**spec["model"]), ByteCorpusDataModule(**spec["data"]))
     report = json.loads(probe.path.read_text())  # what comm_metrics() says once fit is over, for the record
-    probe.path.write_text(json.dumps({**report, "comm_after_fit": trainer.strategy.comm_metrics()}))
+    after = getattr(trainer.strategy, "comm_metrics", dict)()
+    probe.path.write_text(json.dumps({**report, "comm_after_fit": after}))
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 
@@ -210,7 +253,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", default="2,4", help="rank counts on this node, comma-separated")
     p.add_argument("--precision", default="32-true", choices=PRECISIONS)
-    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
+    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join((*ARMS, *FOREIGN))}")
     p.add_argument("--n-layer", type=int, default=6)
     p.add_argument("--n-head", type=int, default=8, help="must divide 64 (the --fit-memory ladder's step)")
     p.add_argument("--n-embd", type=int, default=384)
@@ -230,6 +273,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             or 64 % a.n_head or a.n_embd % a.n_head:
         p.error("need --ranks >= 2, --warmup/--steps/--rounds >= 1, --fit-steps >= 2, --n-head dividing 64 and"
                 " --n-embd")
+    unknown = [x for x in a.arms.split(",") if x not in (*ARMS, *FOREIGN)]
+    if unknown:
+        p.error(f"--arms={a.arms!r}: {', '.join(unknown)} unknown; allowed are {', '.join((*ARMS, *FOREIGN))}")
     from lm_data import ByteCorpusDataModule
 
     cores = len(os.sched_getaffinity(0))
@@ -288,24 +334,39 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                       f" {q['pss_sum']} | {q['added']} |"
                       f" {q['rss']} |"
                       f" {q['tps']} | | {q['sent']} | |")
+        for r in ranks:  # our sharded state against FSDP2's, where both ran
+            ours, theirs = (next((x for x in rows if x["ranks"] == r and x["state"] == s), None)
+                            for s in ("node_sharded", "fsdp2"))
+            if ours and theirs:
+                print(f"{r} ranks, node_sharded / fsdp2: training state per node"
+                      f" {ours['state_bytes'] / theirs['state_bytes']:.2f}x, peak memory per node"
+                      f" {ours['node'] / theirs['node']:.2f}x, tokens/s {ours['tps'] / theirs['tps']:.2f}x, last loss"
+                      f" {ours['loss']:.4f} vs {theirs['loss']:.4f}")
         for x in rows[:2]:
             print(f"{x['state']}: bytes per step = the sum over ranks of comm_metrics()'s"
                   f" {', '.join(k for k in x['comm_keys'] if 'bytes' in k) or 'nothing'}; comm_metrics() after fit:"
                   f" {', '.join(x['after_fit']) or 'empty'}")
+        if any(x["state"] in FOREIGN for x in rows):
+            print("fsdp2: bytes per step computed from its collectives' sizes (two all-gathers of the parameters in"
+                  " the compute dtype, a reduce-scatter of fp32 gradients, (R-1)/R of each per rank), not counted")
         fit = {}
         if a.fit_memory:
             print(f"\n--fit-memory {a.fit_memory / MIB:,.0f} MiB per node, {max(ranks)} ranks, n_embd ladder 64.."
                   f"{a.fit_max_embd} step 64 ({a.n_layer} layers, {a.n_head} heads), {a.fit_steps} steps each:",
                   flush=True)
-            for s in STATES:
+            searched = [*STATES, *(x for x in FOREIGN if x in a.arms.split(","))]
+            for s in searched:
                 best = fit_search(s, max(ranks), a, Path(tmp), {(x["ranks"], x["state"]): x for x in rows})
                 fit[s] = {"n_embd": best, "params": parameters(a, best) if best else 0}
-            for s in STATES:
+            for s in searched:
                 what = (f"n_embd {fit[s]['n_embd']}, {fit[s]['params'] / 1e6:.2f}M params" if fit[s]["n_embd"]
                         else "none of the ladder fits")
                 print(f"  largest {s}: {what}")
             rep, sh = fit["replicated"]["params"], fit["node_sharded"]["params"]
             print(f"  ratio node_sharded / replicated (parameters that fit): {f'{sh / rep:.2f}x' if rep else '-'}")
+            if "fsdp2" in fit:
+                other = fit["fsdp2"]["params"]
+                print(f"  ratio node_sharded / fsdp2 (parameters that fit): {f'{sh / other:.2f}x' if other else '-'}")
     finished = time.strftime("%Y-%m-%d %H:%M:%S")
     print(f"{started} .. {finished}")
     result = {"method": method, "rows": rows, "fit": fit, "started": started, "finished": finished,

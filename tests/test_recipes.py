@@ -569,29 +569,37 @@ def test_grad_norm_backoff_demo_smoke(tmp_path, monkeypatch, capsys):
 
 
 def test_bench_state_smoke(cache_dir, capsys, bench_here):
-    """2 runs of 2 ranks (tiny GPT at n_embd 64, 2 steps), each in its own process group: replicated and node_sharded
-    (shared weights) compared (the table has both and their ratio), and a one-candidate --fit-memory search for both
-    states whose candidate (n_embd 64, 2 steps) is the table's run, reused. The third arm, node_sharded-copies, is
-    HorizonStrategy keywords the table treats as any other arm: checked to build here; its fits are
-    tests/test_node_state.py's (node_weights="copies")."""
+    """3 runs of 2 ranks (tiny GPT at n_embd 64, 2 steps), each in its own process group: replicated, node_sharded
+    (shared weights) and FSDP2 (Lightning's ModelParallelStrategy + fully_shard) compared (the table has them and
+    their ratios), and a one-candidate --fit-memory search for both states whose candidate (n_embd 64, 2 steps) is
+    the table's run, reused. The remaining arm, node_sharded-copies, is HorizonStrategy keywords the table treats as
+    any other arm: checked to build here; its fits are tests/test_node_state.py's (node_weights="copies")."""
     import bench_state
 
     assert set(bench_state.STATES) < set(bench_state.ARMS)
     for arm in bench_state.ARMS.values():
         assert isinstance(HorizonStrategy(**arm), HorizonStrategy)
-    result = bench_state.main(["--smoke", "--arms", "replicated,node_sharded", "--fit-memory", "64GiB",
+    result = bench_state.main(["--smoke", "--arms", "replicated,node_sharded,fsdp2", "--fit-memory", "64GiB",
                                "--cache-dir", str(cache_dir), "--timeout", "120"])
     out = capsys.readouterr().out
     assert "| 2 x 1 | replicated |" in out and "| 2 x 1 | node_sharded |" in out, out[-3000:]
+    # FSDP2 under Lightning's ModelParallelStrategy, in the same table: its shards are half the replicated state,
+    # it trains the same model to the same loss, and our sharded state is compared with it
+    assert "| 2 x 1 | fsdp2 |" in out and re.search(r"2 ranks, node_sharded / fsdp2: training state per node"
+                                                     r" [\d.]+x, peak memory per node [\d.]+x, tokens/s", out)
     assert re.search(r"\| 2 \| node_sharded / replicated \| [\d.]+x \|", out), out[-3000:]
     assert "peak memory per node: " in out and "CPU: " in out
     assert "largest replicated: n_embd 64" in out and "largest node_sharded: n_embd 64" in out, out[-3000:]
     assert "ratio node_sharded / replicated (parameters that fit): 1.00x" in out
-    assert out.count("(the table's run) -> fits") == 2, out[-3000:]  # the search's candidate ran once, in the table
+    assert out.count("(the table's run) -> fits") == 3, out[-3000:]  # the search's candidate ran once, in the table
+    assert "largest fsdp2: n_embd 64" in out and "ratio node_sharded / fsdp2 (parameters that fit): 1.00x" in out
     rows = {r["state"]: r for r in result["rows"]}
-    assert set(rows) == {"replicated", "node_sharded"} and all(r["ok"] and r["tps"] > 0 for r in rows.values())
+    assert set(rows) == {"replicated", "node_sharded", "fsdp2"} and all(r["ok"] and r["tps"] > 0 for r in rows.values())
     assert rows["node_sharded"]["state_bytes"] < rows["replicated"]["state_bytes"]  # sharded over the node's ranks
-    assert {s: f["n_embd"] for s, f in result["fit"].items()} == {"replicated": 64, "node_sharded": 64}
+    assert rows["fsdp2"]["state_bytes"] < 0.6 * rows["replicated"]["state_bytes"]  # every part in 2 shards
+    assert rows["fsdp2"]["loss"] == pytest.approx(rows["replicated"]["loss"], rel=1e-4)
+    assert rows["fsdp2"]["sent"] > 0 and "fsdp2: bytes per step computed" in out
+    assert {s: f["n_embd"] for s, f in result["fit"].items()} == {"replicated": 64, "node_sharded": 64, "fsdp2": 64}
 
 
 def test_bench_out_of_core_smoke(tmp_path, cache_dir, capsys, bench_here):

@@ -79,12 +79,17 @@ def gradients_pending(optimizers: Any, owns: Optional[Callable[[Tensor], bool]] 
 
 def held_bytes(module: Module, optimizers: list[Optimizer], precision: Any = None) -> dict[str, int]:
     """Bytes the weights, master copies / compensation, gradients and optimizer state occupy now (shared storage
-    counted once). Call it after a step, before ``zero_grad``, to see everything a training step holds."""
+    counted once; of a sharded DTensor, this rank's shard). Call it after a step, before ``zero_grad``, to see
+    everything a training step holds."""
+    from torch.distributed.tensor import DTensor
+
     seen: set[int] = set()
 
     def nbytes(tensors: Any) -> int:
         total = 0
         for t in tensors:
+            if isinstance(t, DTensor):  # a sharded parameter (FSDP2): this rank's shard
+                t = t.to_local()
             if isinstance(t, Tensor) and t.untyped_storage().data_ptr() not in seen:
                 seen.add(t.untyped_storage().data_ptr())
                 total += t.untyped_storage().nbytes()

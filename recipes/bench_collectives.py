@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -150,11 +151,11 @@ class Namespaces:
             raise
         return self
 
-    def shape(self, rate: str) -> bool:
+    def shape(self, rate: str, burst: str) -> bool:
         """A tbf rate limit on both ends of the veth; False when the kernel refuses it."""
         for ns, dev in zip(self.ns, self.dev):
             r = _sh("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate,
-                    "burst", "256kb", "latency", "100ms", check=False)
+                    "burst", burst, "latency", "100ms", check=False)
             if r.returncode:
                 print(f"tbf refused on {dev}: {r.stderr.strip()}")
                 return False
@@ -208,6 +209,11 @@ def report(title: str, result: dict, chunk_numel: int) -> CostModel:
         ratios = [f"{t['flat'] / t[n]:.2f} ({m['flat'] / m[n]:.2f})" for n in names[1:]]
         print(f"{mib:>5g} " + " ".join(f"{t[n] * 1e3:>18.1f}" for n in names) + "  "
               + " ".join(f"{r:>18}" for r in ratios))
+    print("cost model's time / measured time (1.00: exact; below 1: the model is optimistic)")
+    print(f"{'MiB':>5} " + " ".join(f"{n:>18}" for n in names))
+    for mib in dict.fromkeys(r["mib"] for r in rows):
+        t = {n: statistics.median(r["seconds"] for r in rows if r["mib"] == mib and r["algorithm"] == n) for n in names}
+        print(f"{mib:>5g} " + " ".join(f"{_predict(links, n, mib, chunk_numel).time / t[n]:>18.2f}" for n in names))
     print(f"\ninter-node MiB per rank per allreduce: accounted | model" + (" | veth counters" if measured else ""))
     for mib in dict.fromkeys(r["mib"] for r in rows):
         cells = []
@@ -265,21 +271,41 @@ def codec_table(sizes: list[float], reps: int) -> None:
         fn()
         return min(_timed(fn) for _ in range(reps))
 
-    print(f"\n== codecs alone ({torch.get_num_threads()} threads): GB/s of fp32, best of {reps}")
-    print(f"  MiB   copy_   {'   '.join(f'{n} encode / decode / allreduce alone' for n in ('int8', 'bf16'))}")
+    threads = torch.get_num_threads()
+    kernel = "one C kernel, 1 thread" if Codec("int8").native else f"torch ops, {threads} threads"
+    print(f"\n== codecs alone: GB/s of fp32, best of {reps}; int8 runs as {kernel}; encode + error is what a"
+          " compressed allreduce does to its input")
+    print(f"  MiB   copy_ {threads} / 1 thr   int8 encode / encode + error / decode / allreduce alone   (x copy_ 1 thr)"
+          "   bf16 encode / decode / allreduce alone")
     for mib in sizes:
         numel = int(mib * MIB) // 4
         x = torch.randn(1, numel)
         gbs = lambda seconds: 4 * numel / seconds / 1e9  # noqa: E731
-        y = torch.empty_like(x)
-        row = [f"{gbs(best(lambda: y.copy_(x))):7.1f}"]
+        y, error = torch.empty_like(x), torch.empty_like(x)
+        copy = gbs(best(lambda: y.copy_(x)))
+        torch.set_num_threads(1)
+        copy1 = gbs(best(lambda: y.copy_(x)))
+        torch.set_num_threads(threads)
+        row = [f"{copy:7.1f} / {copy1:5.1f}"]
         for name in ("int8", "bf16"):
             codec = Codec(name)
             packed = codec.encode(x)
-            encode, decode = best(lambda: codec.encode(x)), best(lambda: codec.decode(packed, numel))
+            encode, decode = gbs(best(lambda: codec.encode(x))), gbs(best(lambda: codec.decode(packed, numel)))
             alone = FP32 / codec_seconds(name, numel=numel, repeats=reps) / 1e9  # per encode or decode, as the probe
-            row.append(f"{gbs(encode):6.2f} / {gbs(decode):6.2f} / {alone:6.2f}")
+            if name == "int8":
+                fed = gbs(best(lambda: codec.encode(x, error)))
+                row.append(f"{encode:6.2f} / {fed:6.2f} / {decode:6.2f} / {alone:6.2f}   ({fed / copy1:.2f})")
+            else:
+                row.append(f"{encode:6.2f} / {decode:6.2f} / {alone:6.2f}")
         print(f"  {mib:>3g}  " + "   ".join(row))
+
+
+def default_burst(rate: str) -> str:
+    """2 ms of ``rate`` (tc's units: "1gbit", "100mbit"), at least 64 KB, which tbf needs to hold the rate at a
+    timer tick of a few ms: 250kb at 1 Gbit/s, 64kb at 100 Mbit/s."""
+    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bit": 1}
+    number, unit = re.fullmatch(r"([0-9.]+)([a-z]+)", rate.lower()).groups()
+    return f"{max(64, round(float(number) * units[unit] / 8 * 2e-3 / 1000))}kb"
 
 
 def _timed(fn) -> float:
@@ -293,8 +319,13 @@ def main() -> None:
     p.add_argument("--sizes", type=lambda s: [float(v) for v in s.split(",")], default=[1, 2, 4, 8, 16, 32, 64])
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--rate", default="1gbit", help="tbf rate of the inter-node link for the shaped run")
+    p.add_argument("--burst", default=None,
+                   help="tbf bucket: bytes that leave at the veth's own speed before the rate applies (default: 2 ms"
+                        " at the rate, at least 64kb; a real link has none, and a large one lets a small allreduce"
+                        " through at the veth's speed)")
     p.add_argument("--no-netns", action="store_true", help="run on loopback only")
     p.add_argument("--no-shape", action="store_true", help="skip the rate-limited run")
+    p.add_argument("--shaped-only", action="store_true", help="skip the unshaped run (root, network namespaces)")
     p.add_argument("--with-int8", action="store_true", help="add hierarchical with int8 compression")
     p.add_argument("--chunk-mb", type=float, default=CollectivesConfig().pipeline_chunk_mb,
                    help="pipeline chunk of the two-level algorithms (MiB)")
@@ -317,9 +348,13 @@ def main() -> None:
     probed = None
     if netns:
         with Namespaces() as ns:
-            probed = report("2 namespaces joined by veth, unshaped", launch(args, ns, f"{tmp}/plain.json"), chunk)
-            if not args.no_shape and ns.shape(args.rate):
-                probed = report(f"veth rate-limited by tbf to {args.rate}", launch(args, ns, f"{tmp}/tbf.json"), chunk)
+            if not args.shaped_only:
+                probed = report("2 namespaces joined by veth, unshaped", launch(args, ns, f"{tmp}/plain.json"),
+                                chunk)
+            burst = args.burst or default_burst(args.rate)
+            if not args.no_shape and ns.shape(args.rate, burst):
+                probed = report(f"veth rate-limited by tbf to {args.rate} (burst {burst})",
+                                launch(args, ns, f"{tmp}/tbf.json"), chunk)
     else:
         probed = report("loopback", launch(args, None, f"{tmp}/plain.json"), chunk)
     predictions("links probed here", probed)

@@ -503,16 +503,19 @@ def test_bench_layout_arms():
 
 
 def test_bench_collectives_codec_table(monkeypatch, capsys):
-    """--codec: the codecs alone against copy_, one row per size, each figure a finite positive GB/s."""
+    """--codec: the codecs alone against copy_, one row per size, each figure a finite positive GB/s, and the ratio
+    of int8's encode + error to a one-thread copy_ is the two figures' ratio."""
     import bench_collectives
 
     monkeypatch.setattr(sys, "argv", ["bench_collectives.py", "--codec", "--sizes", "0.25,1", "--reps", "2"])
     bench_collectives.main()
     out = capsys.readouterr().out
     table = out[out.index("== codecs alone"):].splitlines()[2:]
-    rows = [line.replace("/", " ").split() for line in table if line.strip()]  # MiB, copy_, 3 x int8, 3 x bf16
-    assert [r[0] for r in rows] == ["0.25", "1"] and all(len(r) == 8 for r in rows), out
+    # MiB, copy_ (all threads, 1 thread), int8 (encode, encode + error, decode, allreduce alone, x copy_), 3 x bf16
+    rows = [line.translate(str.maketrans("/()", "   ")).split() for line in table if line.strip()]
+    assert [r[0] for r in rows] == ["0.25", "1"] and all(len(r) == 11 for r in rows), out
     assert all(0 < float(v) < float("inf") for r in rows for v in r[1:]), out
+    assert all(float(r[7]) == pytest.approx(float(r[4]) / float(r[2]), abs=0.01, rel=0.02) for r in rows), out
 
 
 def test_bench_collectives_smoke(monkeypatch, capsys):

@@ -3,10 +3,10 @@
 The tensor is fp32, or bf16 when bf16 gradients go uncompressed; the sums are fp32 either way.
 
 Each leaves the world's sum divided by ``divisor`` in the tensor and returns, when compressing, what this rank's
-encodings lost in the tensor's layout (the error feedback's new residual, in units of the sum). Every collective
-is issued from the caller's thread, in an order that depends only on the tensor's size, so it is the same on
-every rank; the works a pipeline leaves running are waited for by that same thread. No collective ever runs
-from a ``Future.then`` callback.
+encodings lost, as ``(offset, values)`` pieces of the tensor's layout, zero elsewhere (the error feedback's new
+residual, in units of the sum). Every collective is issued from the caller's thread, in an order that depends only
+on the tensor's size, so it is the same on every rank; the works a pipeline leaves running are waited for by that
+same thread. No collective ever runs from a ``Future.then`` callback.
 
 In place, because a fresh bucket-sized tensor per call costs page faults: with glibc malloc, a 64 MiB
 allocation is an mmap that is returned on free, and copying a bucket into a new one took as long as sending it.
@@ -23,13 +23,16 @@ from lightning_horizon.collectives.comm import Comm
 from lightning_horizon.collectives.compression import Codec, CompressedAllreduce, compressed_allreduce
 from lightning_horizon.collectives.chunks import chunk_sizes
 
+#: ``(offset, values)``: a piece of a tensor's layout
+Pieces = list[tuple[int, torch.Tensor]]
+
 
 def narrow(x: torch.Tensor) -> bool:
     """bf16 (or fp16): gloo's allreduce would sum it in its own type, rounding every partial sum."""
     return x.element_size() < 4
 
 
-def flat(x: torch.Tensor, world: Comm, codec: Optional[Codec], divisor: int) -> Optional[torch.Tensor]:
+def flat(x: torch.Tensor, world: Comm, codec: Optional[Codec], divisor: int) -> Optional[Pieces]:
     """One allreduce over the world (compressed: all-to-all, fp32 sum, all-gather).
 
     A bf16 tensor (bf16-true weights) never goes through gloo's allreduce, which adds in bf16 and rounds every
@@ -42,14 +45,16 @@ def flat(x: torch.Tensor, world: Comm, codec: Optional[Codec], divisor: int) -> 
         world.allreduce(x)
         x.div_(divisor)
         return None
-    out, error = compressed_allreduce(x, world, codec)
-    x.copy_(out).div_(divisor)
-    return error
+    out, error = compressed_allreduce(x, world, codec)  # the sum in x's own memory where x needs no padding
+    if out.data_ptr() != x.data_ptr():
+        x.copy_(out)
+    x.div_(divisor)
+    return [(0, error)]
 
 
 def two_level(
     x: torch.Tensor, row: Comm, col: Optional[Comm], codec: Optional[Codec], chunk_numel: int, divisor: int
-) -> Optional[torch.Tensor]:
+) -> Optional[Pieces]:
     """Reduce-scatter along the row, allreduce each slice along the column, all-gather along the row.
 
     With rows = nodes (``hierarchical``, or ``torus2d`` with X = ranks per node) only the column stage crosses
@@ -73,7 +78,7 @@ def two_level(
     starts = [sum(sizes[:k]) for k in range(len(sizes))]
     work = x if sum(sizes) == n else F.pad(x, (0, sum(sizes) - n))
     pieces = work.split(sizes)
-    error = torch.zeros_like(work) if codec is not None and col is not None and col.size > 1 else None
+    error: Optional[Pieces] = [] if codec is not None and col is not None and col.size > 1 else None
     gathers, slices = [], []  # running all-gathers, and the slices they send (alive until waited)
     sent: list[tuple[int, CompressedAllreduce]] = []  # compressed column stages whose all-to-all is running
     summed: list[tuple[int, CompressedAllreduce]] = []  # ... and those whose all-gather is running
@@ -86,7 +91,7 @@ def two_level(
     def finish(k: int, op: CompressedAllreduce) -> None:
         mine, slice_error = op.finish()
         m = mine.numel()
-        error[starts[k] + row.index * m : starts[k] + (row.index + 1) * m] = slice_error
+        error.append((starts[k] + row.index * m, slice_error))
         land(k, mine)
 
     started = row.reduce_scatter_start(pieces[0])
@@ -116,4 +121,4 @@ def two_level(
             pending.wait()
     if work is not x:
         x.copy_(work[:n])
-    return error[:n] if error is not None else None
+    return error

@@ -16,7 +16,7 @@ bucket: DDP rebuilds its buckets after the first iteration and the residual foll
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -24,48 +24,95 @@ import torch.nn.functional as F
 from lightning_horizon.collectives.comm import Comm
 from lightning_horizon.collectives.layout import offsets
 from lightning_horizon.collectives.chunks import round_up
+from lightning_horizon.collectives.native import int8_kernel
 
 
 class Codec:
     """Encodes rows of fp32 values into bytes (``[rows, wire_bytes]`` uint8) and back.
 
-    The codec runs on the cores that train, and what costs it most is not arithmetic but memory the allocator hands
-    out fresh: glibc returns a freed tensor of megabytes to the system and faults the next one in page by page (an
-    8 MiB encode took 8 ms so, against 0.6 ms for its operations). So each step writes into a tensor it already
-    has: the quantization into the one temporary the block maxima came from, the int8 values straight into the
-    wire buffer, the decode's multiply into its own upcast (and the caller's error into the decoded values).
+    The codec runs on the cores that train. int8 runs as one C kernel (:mod:`.native`) where the machine has a C
+    compiler: the encode and its error in one pass over memory, block by block in the L1 cache, and a chunk's rows
+    decoded and summed in one; otherwise as torch ops, which give the same bytes in several passes (``native=False``
+    asks for those; ``native=True`` fails where there is no kernel). Each torch step writes into a tensor it already
+    has (glibc returns a freed tensor of megabytes to the system and faults the next one in page by page: an 8 MiB
+    encode took 8 ms so, against 0.6 ms for its operations).
     """
 
-    def __init__(self, name: str, int8_block: int = 256) -> None:
+    def __init__(self, name: str, int8_block: int = 256, native: Optional[bool] = None) -> None:
         self.name = name
         self.block = int8_block if name == "int8" else 1
+        self._kernel = int8_kernel() if name == "int8" and native is not False else None
+        if native and self._kernel is None:
+            raise RuntimeError(f"Codec({name!r}, native=True): there is no C kernel for it here (int8 only, built with"
+                               " the machine's C compiler; see lightning_horizon.collectives.native)")
 
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
-        """``x``: ``[rows, c]`` fp32, ``c`` a multiple of the block. Returns ``[rows, bytes]`` uint8."""
-        if self.name == "bf16":
-            return x.to(torch.bfloat16).view(torch.uint8)
+    @property
+    def native(self) -> bool:
+        """Whether the C kernel codes (else torch ops)."""
+        return self._kernel is not None
+
+    def _wire(self, c: int) -> int:
+        return c + 4 * (c // self.block)
+
+    def encode(self, x: torch.Tensor, error: Optional[torch.Tensor] = None, accumulate: bool = False) -> torch.Tensor:
+        """``x``: ``[rows, c]`` fp32, contiguous, ``c`` a multiple of the block. Returns ``[rows, bytes]`` uint8.
+
+        With ``error`` (``[rows, c]`` fp32), also writes into it (or adds to it, with ``accumulate``) what the
+        encoding lost: ``x - decode(encode(x))``."""
         rows, c = x.shape
-        blocks = x.view(rows, -1, self.block)
-        q = blocks.abs()
-        scale = q.amax(dim=-1, keepdim=True).div_(127.0)
-        # A zero block keeps scale 1 (no 0/0); a non-finite block keeps its non-finite scale, so the decoded
-        # block stays non-finite and an overflow still reaches the optimizer's skip logic.
-        scale.masked_fill_(scale == 0, 1.0)
-        torch.div(blocks, scale, out=q).nan_to_num_().round_().clamp_(-127, 127)
-        packed = torch.empty(rows, c + 4 * scale.shape[1], dtype=torch.uint8)
-        packed[:, :c].view(torch.int8).view(rows, -1, self.block).copy_(q)
-        packed[:, c:].copy_(scale.view(rows, -1).view(torch.uint8))
+        if self._kernel is not None:
+            for t in (x, error):
+                if t is not None and (t.dtype != torch.float32 or not t.is_contiguous()):
+                    raise ValueError(f"the int8 kernel codes contiguous fp32 rows, got {t.dtype} strides {t.stride()}")
+            packed = torch.empty(rows, self._wire(c), dtype=torch.uint8)
+            self._kernel.horizon_int8_encode(x.data_ptr(), rows, c, self.block, packed.data_ptr(), packed.shape[1],
+                                             None if error is None else error.data_ptr(), int(accumulate))
+            return packed
+        if self.name == "bf16":
+            packed = x.to(torch.bfloat16).view(torch.uint8)
+        else:
+            blocks = x.view(rows, -1, self.block)
+            q = blocks.abs()
+            scale = q.amax(dim=-1, keepdim=True).div_(127.0)
+            # A zero block keeps scale 1 (no 0/0); a non-finite block keeps its non-finite scale, so the decoded
+            # block stays non-finite and an overflow still reaches the optimizer's skip logic.
+            scale.masked_fill_(scale == 0, 1.0)
+            # times the reciprocal, as the C kernel does (a divide per value was 18% of its encode)
+            torch.mul(blocks, scale.reciprocal(), out=q).nan_to_num_().round_().clamp_(-127, 127)
+            packed = torch.empty(rows, self._wire(c), dtype=torch.uint8)
+            packed[:, :c].view(torch.int8).view(rows, -1, self.block).copy_(q)
+            packed[:, c:].copy_(scale.view(rows, -1).view(torch.uint8))
+        if error is not None:
+            decoded = self.decode(packed, c)
+            lost = torch.sub(x, decoded, out=decoded)  # written over the decoded values: no other tensor
+            error.add_(lost) if accumulate else error.copy_(lost)
         return packed
 
-    def decode(self, packed: torch.Tensor, c: int) -> torch.Tensor:
-        """Inverse of :meth:`encode` for ``c`` values per row: ``[rows, c]`` fp32."""
-        if self.name == "bf16":
-            return packed.view(torch.bfloat16).float()
+    def decode(self, packed: torch.Tensor, c: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Inverse of :meth:`encode` for ``c`` values per row: ``[rows, c]`` fp32, into ``out`` if given."""
         rows = packed.shape[0]
+        if self._kernel is not None:
+            out = torch.empty(rows, c) if out is None else out.view(rows, c)
+            self._kernel.horizon_int8_decode(packed.data_ptr(), rows, c, self.block, packed.shape[1], out.data_ptr(), 0)
+            return out
+        if self.name == "bf16":
+            values = packed.view(torch.bfloat16)
+            return values.float() if out is None else out.view(rows, c).copy_(values)
         # the scales' bytes copied out: where they sit is 4-byte aligned only for blocks that are multiples of 4
         scale = torch.empty(rows, c // self.block, 1, dtype=torch.float32)
         scale.view(rows, -1).view(torch.uint8).copy_(packed[:, c:])
-        return packed[:, :c].view(torch.int8).float().view(rows, -1, self.block).mul_(scale).view(rows, c)
+        values = packed[:, :c].view(torch.int8)
+        out = values.float() if out is None else out.view(rows, c).copy_(values)
+        return out.view(rows, -1, self.block).mul_(scale).view(rows, c)
+
+    def decode_sum(self, packed: torch.Tensor, c: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The sum of the decoded rows, in fp32 and in row order: ``[c]``, into ``out`` if given."""
+        if self._kernel is not None:
+            out = torch.empty(c) if out is None else out
+            self._kernel.horizon_int8_decode(packed.data_ptr(), packed.shape[0], c, self.block, packed.shape[1],
+                                             out.data_ptr(), 1)
+            return out
+        return torch.sum(self.decode(packed, c), dim=0, out=out)
 
 
 def coded_elements(chunk: int, group: int) -> int:
@@ -89,14 +136,17 @@ class CompressedAllreduce:
     """
 
     def __init__(self, x: torch.Tensor, comm: Comm, codec: Codec) -> None:
-        """Encode ``x`` (1-D fp32) and start sending chunk ``j`` of it to member ``j``."""
+        """Encode ``x`` (1-D fp32, contiguous) and start sending chunk ``j`` of it to member ``j``.
+
+        ``x`` is not read again after the encode, so its memory takes the sum (a fresh bucket-sized tensor per call
+        costs its page faults): the caller's tensor is overwritten."""
         self.n, g = x.numel(), comm.size
         self.comm, self.codec = comm, codec
         self.c = c = round_up(self.n, g * codec.block) // g
-        padded = F.pad(x, (0, g * c - self.n))
-        self._packed = codec.encode(padded.view(g, c))  # alive until the all-to-all that sends it is waited for
-        decoded = codec.decode(self._packed, c).view(-1)
-        self.error = torch.sub(padded, decoded, out=decoded)  # what the encoding lost, written over its decoded values
+        self._padded = padded = x if g * c == self.n else F.pad(x, (0, g * c - self.n))
+        self.error = torch.empty(g * c)  # what this rank's encodings lost
+        # alive until the all-to-all that sends it is waited for
+        self._packed = codec.encode(padded.view(g, c), error=self.error.view(g, c))
         self._received = torch.empty_like(self._packed)
         self._work = comm.all_to_all(self._received, self._packed, async_op=True)
 
@@ -106,10 +156,10 @@ class CompressedAllreduce:
         if self._work is not None:
             self._work.wait()
         c, comm, codec = self.c, self.comm, self.codec
-        total = codec.decode(self._received, c).sum(dim=0)
-        self._packed = mine = codec.encode(total.view(1, c))
+        total = codec.decode_sum(self._received, c, out=self._padded[:c])
         # The re-encoding's loss belongs to the sum: fed back by this rank alone, it re-enters the next sum once.
-        self.error[comm.index * c : (comm.index + 1) * c] += total - codec.decode(mine, c).view(-1)
+        mine_error = self.error[comm.index * c : (comm.index + 1) * c].view(1, c)
+        self._packed = mine = codec.encode(total.view(1, c), error=mine_error, accumulate=True)
         self._received = torch.empty((comm.size, mine.shape[1]), dtype=torch.uint8)
         self._work = comm.all_gather(self._received, mine, async_op=True)
 
@@ -118,11 +168,13 @@ class CompressedAllreduce:
         if self._work is not None:
             self._work.wait()
         # A non-finite entry of ``error`` comes with a non-finite sum: the hook then keeps the previous residual.
-        return self.codec.decode(self._received, self.c).view(-1)[: self.n], self.error[: self.n]
+        total = self.codec.decode(self._received, self.c, out=self._padded)
+        return total.view(-1)[: self.n], self.error[: self.n]
 
 
 def compressed_allreduce(x: torch.Tensor, comm: Comm, codec: Codec) -> tuple[torch.Tensor, torch.Tensor]:
-    """The group's sum of ``x`` (1-D fp32), and what this rank's encodings lost (same length as ``x``)."""
+    """The group's sum of ``x`` (1-D fp32, overwritten: the sum may be returned in its memory), and what this
+    rank's encodings lost (same length as ``x``)."""
     op = CompressedAllreduce(x, comm, codec)
     op.exchange()
     return op.finish()
@@ -149,17 +201,26 @@ class ErrorFeedback:
             if held is not None:
                 x[offset : offset + numel].add_(held.view(-1))
 
-    def scatter(self, bucket, error: Optional[torch.Tensor]) -> None:
-        """Store ``error`` (bucket layout) as the new residual of the bucket's parameters, into the tensors already
-        held where there are; ``None``: all zero."""
+    def scatter(self, bucket, error: Union[torch.Tensor, list[tuple[int, torch.Tensor]], None]) -> None:
+        """Store ``error`` as the new residual of the bucket's parameters, into the tensors already held where there
+        are: a tensor in bucket layout, or the ``(offset, values)`` pieces of it that are not zero (a two-level
+        reduction's error lies in this rank's slices only, and a bucket-sized tensor of zeros around them would be
+        faulted in fresh at every step); ``None``: all zero."""
+        pieces = [(0, error)] if isinstance(error, torch.Tensor) else error
         for name, offset, numel in self._layout(bucket):
-            held = self.residual.get(name)
-            if error is None:
+            if pieces is None:
                 self.residual.pop(name, None)
-            elif held is None:
-                self.residual[name] = error[offset : offset + numel].view(self._shapes[name]).clone()
+                continue
+            held = self.residual.get(name)
+            if held is None:
+                held = self.residual[name] = torch.zeros(self._shapes[name])
             else:
-                held.view(-1).copy_(error[offset : offset + numel])
+                held.zero_()
+            flat = held.view(-1)
+            for start, values in pieces:
+                lo, hi = max(start, offset), min(start + values.numel(), offset + numel)
+                if lo < hi:
+                    flat[lo - offset : hi - offset].copy_(values[lo - start : hi - start])
 
     def scale(self, params: list[torch.Tensor], factor: float) -> None:
         """Multiply the residuals of ``params`` by ``factor`` (their step's gradients were scaled by it)."""

@@ -11,11 +11,12 @@ measured, so every rank holds the same constants and ``auto`` picks the same alg
 The codecs are timed on every rank at once, on its own threads, running the hooks' own compressed allreduce over
 a group of the rank alone (its collectives are then copies): the cores a node's ranks share while training are
 shared while measuring, too. Where there are several nodes, each codec is then timed where it runs: a whole
-compressed hierarchical reduction of one pipeline chunk over the real groups, less the time the model gives its
-bytes on the links just probed, per element it codes. That figure holds what the solo one leaves out (the node's
-ranks coding, summing and copying on the same cores at once): on 2 cores with 2 ranks each of 2 nodes, int8 coded
-0.69-0.89 GB/s of fp32 there against 1.8-2.6 GB/s alone, and with the solo figure the model predicted int8 1.5-2x
-faster than it ran.
+compressed hierarchical reduction of a few pipeline chunks over the real groups, and the figure is the one that
+makes the cost model's time for it equal the measured time. That figure holds what the solo one leaves out (the
+node's ranks coding, summing and copying on the same cores at once, and how much of the codec the pipeline really
+hides behind the wire): on 2 cores with 2 ranks each of 2 nodes and a 1 Gbit/s link, int8 came out at 1.0-1.6
+GB/s of fp32 there against 2-26 GB/s alone, and with it the model's compressed predictions were within 25% of the
+measured times at 1-64 MiB.
 """
 
 from __future__ import annotations
@@ -36,11 +37,11 @@ from lightning_horizon.topology import ProcessGroups, Topology
 
 SMALL_NUMEL = 256  # 1 KiB: latency-bound
 LARGE_NUMEL = 1 << 18  # 1 MiB: bandwidth-bound, short even on a 1 Gbit/s link (about 16 ms per ring)
-# 2 MiB, the default pipeline chunk, which a pipelined two-level reduction codes a slice of at a time. Per
-# element, larger tensors can cost more: the compressed allreduce's own buffers are fresh at every call, and glibc
-# faults a freed multi-MiB one in again page by page (`bench_collectives.py --codec`: int8 about 2 GB/s at 2-8 MiB,
-# 1.4 at 64 MiB), so a bucket compressed in one piece pays more than the figure says.
+# 2 MiB, the default pipeline chunk: a pipelined two-level reduction codes a slice of one at a time.
 CODEC_NUMEL = 1 << 19
+# The codec timed where it runs: a pipelined reduction of this many chunks, as a bucket goes (the first chunk's row
+# and column stages in series, then each chunk's beside the next's, as far as the cores let them).
+IN_PLACE_CHUNKS = 4
 REPEATS = 5
 
 
@@ -135,28 +136,40 @@ def probe_links(
     return CostModel(intra=links.intra, inter=links.inter, codec=dict(zip(compressions, codec)))
 
 
-def _in_place(intra: Comm, inter: Comm, codec: Codec, repeats: int, numel: int = CODEC_NUMEL) -> float:
-    """Median seconds of a compressed hierarchical reduction of ``numel`` elements in one piece over these groups
-    (collective: every rank runs it, so a node's ranks share its cores as in training)."""
-    x = torch.randn(numel)
-    two_level(x.clone(), intra, inter, codec, numel, 1)  # warm-up: connections, allocations
+def _in_place(intra: Comm, inter: Comm, codec: Codec, repeats: int) -> float:
+    """Median seconds of a hierarchical reduction of ``IN_PLACE_CHUNKS`` pipeline chunks over these groups,
+    compressed by ``codec`` (collective: every rank runs it, so a node's ranks share its cores as in training)."""
+    x = torch.randn(IN_PLACE_CHUNKS * CODEC_NUMEL)
+    two_level(x.clone(), intra, inter, codec, CODEC_NUMEL, 1)  # warm-up: connections, allocations
     times = []
     for _ in range(repeats):
         y = x.clone()
         start = time.perf_counter()
-        two_level(y, intra, inter, codec, numel, 1)
+        two_level(y, intra, inter, codec, CODEC_NUMEL, 1)
         times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2]
 
 
 def in_place_seconds(took: float, links: CostModel, nodes: int, per_node: int, compression: str, int8_block: int,
-                     solo: float, numel: int = CODEC_NUMEL) -> float:
+                     solo: float, numel: int = IN_PLACE_CHUNKS * CODEC_NUMEL, chunk_numel: int = CODEC_NUMEL) -> float:
     """Seconds per coded element that make the model's time for a compressed hierarchical reduction of ``numel``
-    elements in one piece (``links``' time for its bytes, plus its coded elements at that figure) equal ``took``,
-    its measured time; never below ``solo``, the codec timed alone."""
-    world = nodes * per_node
-    coded = sum(amount for stages in plan("hierarchical", numel, world, per_node, compression, int8_block, numel)
-                for kind, _, amount in stages if kind == "codec")
-    wire = links.predict("hierarchical", numel, nodes, per_node, compression, int8_block=int8_block,
-                         chunk_numel=numel).time
-    return max(solo, (took - wire) / coded) if coded else solo
+    elements in chunks of ``chunk_numel`` (``links``' time for its bytes and its coded elements at that figure,
+    pipelined as the model pipelines them) equal ``took``, its measured time; never below ``solo``, the codec timed
+    alone. The model's time grows with the figure, piecewise linearly: found by bisection."""
+
+    def model(seconds: float) -> float:
+        links_and_codec = CostModel(links.intra, links.inter, codec={compression: seconds})
+        return links_and_codec.predict("hierarchical", numel, nodes, per_node, compression, int8_block=int8_block,
+                                       chunk_numel=chunk_numel).time
+
+    coded = any(kind == "codec" for stages in plan("hierarchical", numel, nodes * per_node, per_node, compression,
+                                                   int8_block, chunk_numel) for kind, _, _ in stages)
+    if not coded or model(solo) >= took:
+        return solo
+    low, high = solo, max(2 * solo, 1e-10)
+    while model(high) < took:
+        low, high = high, 2 * high
+    for _ in range(60):
+        mid = (low + high) / 2
+        low, high = (mid, high) if model(mid) < took else (low, mid)
+    return high

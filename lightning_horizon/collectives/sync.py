@@ -102,7 +102,9 @@ class GradientSync(Part):
         self._info(
             f"collectives: {config.algorithm} on {topo.num_nodes} node(s) x {per_node} rank(s)"
             + (f", torus {self.torus_cols} x {world // self.torus_cols}" if config.algorithm == "torus2d" else "")
-            + f", compression {config.compression}, sync_every {config.sync_every}"
+            + f", compression {config.compression}"
+            + (f" ({'C kernel' if self.codec.native else 'torch ops'})" if self.codec else "")
+            + f", sync_every {config.sync_every}"
         )
 
     # ------------------------------------------------------------------ the hook

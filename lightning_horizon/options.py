@@ -12,7 +12,7 @@ from typing import Any, Optional, Union
 from lightning_horizon.collectives import CollectivesConfig
 from lightning_horizon.sharding import ShardingConfig, resolve_sharding
 from lightning_horizon.store import StoreConfig, resolve_store
-from lightning_horizon.strategy_args import check_arguments, check_state
+from lightning_horizon.strategy_args import check_arguments, check_heartbeat, check_state
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,7 @@ class HorizonOptions:
     node_weights: str
     state_checkpoint: str
     store: Optional[StoreConfig]
+    heartbeat_timeout: Optional[float]
 
     @property
     def bucket_bytes(self) -> int:
@@ -42,7 +43,7 @@ class HorizonOptions:
         threads_per_rank: Any, sharding: Any, collectives: Any, compression: Any, sync_every: Any,
         sync_warmup_steps: Any, torus_shape: Any, cost_model: Any, state: Any, node_weights: Any,
         state_checkpoint: Any, state_store: Union[None, str, os.PathLike, StoreConfig], checkpoint_io: Any,
-        ddp_kwargs: dict[str, Any], named: set[str],
+        heartbeat_timeout: Any, ddp_kwargs: dict[str, Any], named: set[str],
     ) -> "HorizonOptions":
         """Check every argument (ValueError naming the first bad one) and resolve the configs. ``ddp_kwargs``: the
         extra keywords for DDPStrategy and DistributedDataParallel; ``named``: the strategy's own parameter names."""
@@ -63,7 +64,8 @@ class HorizonOptions:
         return cls(ranks_per_node=ranks_per_node, bucket_size_mb=bucket_size_mb, timeout=timedelta(seconds=seconds),
                    process_group_backend=process_group_backend, pin_cores=pin_cores,
                    threads_per_rank=threads_per_rank, sharding=resolved_sharding, collectives=config, state=state,
-                   node_weights=node_weights, state_checkpoint=state_checkpoint, store=store)
+                   node_weights=node_weights, state_checkpoint=state_checkpoint, store=store,
+                   heartbeat_timeout=check_heartbeat(heartbeat_timeout))
 
 
 #: the strategy's arguments that :meth:`HorizonOptions.resolve` takes by the same names (its signature, less what

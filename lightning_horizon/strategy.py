@@ -1,8 +1,9 @@
 """HorizonStrategy: Lightning's DDP, made for CPU machines and CPU clusters.
 
 DDPStrategy's whole lifecycle, plus what CPUs need: a backend chosen for the CPU, core pinning, the node topology,
-comm hooks really registered on CPU, a timeout that ends a job whose peer is gone, and the parts (parts.py) a fit
-is made of (fit_parts.py), each keeping its per-rank state under one checkpoint key.
+comm hooks really registered on CPU, a timeout that ends a job whose peer is gone, a heartbeat that ends one whose
+peer hangs (heartbeat.py), and the parts (parts.py) a fit is made of (fit_parts.py), each keeping its per-rank state
+under one checkpoint key.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.strategy import Strategy
 from typing_extensions import override
 
-from lightning_horizon import cpu, fit_parts, liveness, placement
+from lightning_horizon import cpu, fit_parts, heartbeat, liveness, placement
 from lightning_horizon.checkpoint_io import AtomicCheckpointIO
 from lightning_horizon.parts import Parts, part
 from lightning_horizon.precision import HorizonPrecision
@@ -59,6 +60,8 @@ class HorizonStrategy(DDPStrategy):
         node_weights: with ``"node_sharded"``: ``"shared"`` (in ``/dev/shm``) or ``"copies"`` (one per rank).
         state_checkpoint: with ``"node_sharded"``: ``"full"`` (rank 0 writes all) or ``"per_rank"`` (each its share).
         state_store: ``None``, ``"auto"``, a folder or a ``StoreConfig``: out-of-core training state.
+        heartbeat_timeout: seconds after which a peer that sends no heartbeat, or makes no progress while the others
+            wait for it, is named and the job ends (exit 75); ``None``: no heartbeat.
         ddp_comm_state, ddp_comm_hook, ddp_comm_wrapper: a DDP comm hook of your own, registered on CPU too.
         **kwargs: passed to ``DDPStrategy`` and on to ``DistributedDataParallel`` (e.g. ``static_graph``).
     """
@@ -74,7 +77,8 @@ class HorizonStrategy(DDPStrategy):
         sharding: Union[None, str, ShardingConfig] = None, collectives: str = "flat", compression: Optional[str] = None,
         sync_every: int = 1, sync_warmup_steps: int = 0, torus_shape: Optional[tuple[int, int]] = None,
         cost_model: Optional[Any] = None, state: str = "replicated", node_weights: str = "shared",
-        state_checkpoint: str = "full", state_store: Union[None, str, os.PathLike, StoreConfig] = None, **kwargs: Any,
+        state_checkpoint: str = "full", state_store: Union[None, str, os.PathLike, StoreConfig] = None,
+        heartbeat_timeout: Optional[float] = heartbeat.DEFAULT_TIMEOUT_S, **kwargs: Any,
     ) -> None:
         # Every check runs here, in the Trainer's constructor: before a launcher starts a process or a group.
         arguments = {k: v for k, v in locals().items() if k in ARGUMENTS}
@@ -100,6 +104,7 @@ class HorizonStrategy(DDPStrategy):
         self._reported = False
         self._thread_settings: Optional[cpu.ThreadSettings] = None
         self._sync_backward = True  # False inside block_backward_sync (accumulation micro-batches)
+        self._heartbeat: Optional[heartbeat.Heartbeat] = None
 
     # ------------------------------------------------------------------ the parts, by what they do
 
@@ -154,6 +159,19 @@ class HorizonStrategy(DDPStrategy):
             self.options, self.world_size, self.global_rank, self.local_rank, self.num_processes, self.root_device,
             self._process_group_backend, report)
         self._reported = self._reported or report
+        if self._heartbeat is not None:  # a stage that ended without its teardown
+            self._heartbeat.stop()
+            self._heartbeat = None
+        if self.world_size > 1 and self.options.heartbeat_timeout is not None:
+            env = self.cluster_environment
+            store = heartbeat.connect(env.main_address, env.main_port, self.options.heartbeat_timeout)
+            self._heartbeat = heartbeat.Heartbeat(store, self.global_rank, self.placement,
+                                                  self.options.heartbeat_timeout)
+            self._heartbeat.start()
+
+    def _beat(self, where: str) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.beat(where)
 
     @override
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
@@ -210,10 +228,12 @@ class HorizonStrategy(DDPStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         batch = args[0] if args else kwargs.get("batch")
         batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        self._beat("training_step")
         self.parts.before_training_step(self.lightning_module, batch, batch_idx,
                                         self.precision_plugin.train_step_context)
         output = super().training_step(*args, **kwargs)
         self.parts.after_training_step(output)
+        self._beat("after training_step")
         if not self.lightning_module.automatic_optimization:
             # manual: the batch's steps (a GAN's two) once, after the last: local SGD averages what all stepped
             self.parts.after_optimizer_step()
@@ -233,9 +253,11 @@ class HorizonStrategy(DDPStrategy):
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
         super().pre_backward(closure_loss)
         self.parts.pre_backward(self._sync_backward)
+        self._beat("backward (the gradient allreduce)")
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
+        self._beat("after backward")
         super().post_backward(closure_loss)
         self.parts.post_backward()
 
@@ -247,8 +269,10 @@ class HorizonStrategy(DDPStrategy):
             self.parts.gradients_ready()
             return out
 
+        self._beat("optimizer step")
         output = super().optimizer_step(optimizer, settled, model, **kwargs)
         self.parts.optimizer_stepped(optimizer)
+        self._beat("after optimizer step")
         if self.lightning_module.automatic_optimization:
             self.parts.after_optimizer_step()  # manual optimization: once per batch, in training_step
         return output
@@ -257,6 +281,7 @@ class HorizonStrategy(DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        self._beat("checkpoint write")
         self.checkpoints.before_write(checkpoint, filepath)  # every rank: the parts' per-rank state to rank 0
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
@@ -283,7 +308,25 @@ class HorizonStrategy(DDPStrategy):
         liveness.name_lost_peer(exception, self.placement, self.global_rank, self._timeout.total_seconds())
 
     @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._beat("validation_step")
+        return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._beat("test_step")
+        return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._beat("predict_step")
+        return super().predict_step(*args, **kwargs)
+
+    @override
     def teardown(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
         self.parts.teardown()  # the sharder uninstalls: the module leaves fit exactly as it came in
         for name in fit_parts.FIT_ONLY:  # the weights are the module's own again: validate/test run replicated
             self.parts.remove(name)

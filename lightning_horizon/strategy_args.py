@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 import inspect
 from datetime import timedelta
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -99,6 +99,13 @@ def check_arguments(
     require(threads_per_rank is None or is_int(threads_per_rank, 1), OWNER, "threads_per_rank", threads_per_rank,
             "an int >= 1 or None (one per core)")
     return float(seconds)
+
+
+def check_heartbeat(heartbeat_timeout: Any) -> Optional[float]:
+    """``heartbeat_timeout``: seconds > 0, or ``None`` (no heartbeat)."""
+    require(heartbeat_timeout is None or is_number(heartbeat_timeout, 0), OWNER, "heartbeat_timeout",
+            heartbeat_timeout, "a finite number of seconds > 0, or None (no heartbeat)")
+    return None if heartbeat_timeout is None else float(heartbeat_timeout)
 
 
 def check_ddp_kwargs(kwargs: dict[str, Any], named: set[str]) -> None:

@@ -59,6 +59,8 @@ BAD = [
     (S, {"timeout": INF}, "timeout", INF, "finite number of seconds > 0"),
     (S, {"timeout": NAN}, "timeout", NAN, "finite number of seconds > 0"),
     (S, {"timeout": timedelta(0)}, "timeout", timedelta(0), "finite number of seconds > 0"),
+    (S, {"heartbeat_timeout": 0}, "heartbeat_timeout", 0, "finite number of seconds > 0, or None"),
+    (S, {"heartbeat_timeout": INF}, "heartbeat_timeout", INF, "finite number of seconds > 0, or None"),
     (S, {"process_group_backend": "nccl2"}, "process_group_backend", "nccl2", "('gloo', 'ccl', 'mpi', 'nccl')"),
     # a backend this torch cannot start: refused here, not as torch's "Unknown backend type" in every process
     *([(S, {"process_group_backend": "ccl"}, "process_group_backend", "ccl",

@@ -66,6 +66,8 @@ def test_registered_names():
         ({"timeout": 0}, 1, "timeout=0"),
         ({"timeout": -1.5}, 1, "timeout=-1.5"),
         ({"threads_per_rank": 0}, 1, "threads_per_rank=0"),
+        ({"heartbeat_timeout": 0}, 1, "heartbeat_timeout=0"),
+        ({"heartbeat_timeout": "30"}, 1, "heartbeat_timeout='30'"),
     ],
 )
 def test_bad_input_fails_before_any_process_group(kwargs, devices, needle):

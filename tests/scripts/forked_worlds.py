@@ -54,9 +54,10 @@ def world(devices: int, body: Callable[[], None], log: Optional[Path] = None) ->
 
 
 def record(out: Path, tag: str, exits: list[int], log: Path, seconds: Optional[float] = None) -> None:
-    """Append ``{"tag": tag, "exit": exits}`` (and ``"seconds"`` if given) to OUT/exits.jsonl (what the test reads),
-    and print the job's log."""
-    line = {"tag": tag, "exit": exits, **({} if seconds is None else {"seconds": round(seconds, 3)})}
+    """Append ``{"tag": tag, "exit": exits, "ended_at": wall clock}`` (and ``"seconds"`` if given) to OUT/exits.jsonl
+    (what the test reads), and print the job's log."""
+    line = {"tag": tag, "exit": exits, "ended_at": time.time(),
+            **({} if seconds is None else {"seconds": round(seconds, 3)})}
     with open(out / "exits.jsonl", "a") as f:
         f.write(json.dumps(line) + "\n")
     print(f"=== {tag}: exit {exits}\n{log.read_text() if log.exists() else ''}", flush=True)

@@ -76,6 +76,7 @@ class Heartbeat:
         self._seen: dict[int, dict[str, Any]] = {}  # peer -> its last beat and when (monotonic) each part moved
         self._mine = (0, time.monotonic())  # this rank's progress and when it last moved
         self._store_ok = time.monotonic()
+        self._pending: Optional[threading.Event] = None  # a store exchange that has not returned yet
 
     # ------------------------------------------------------------------ the training thread
 
@@ -117,14 +118,10 @@ class Heartbeat:
         """One round: write this rank's beat, read the others'; ``(message, ranks to kill)`` when the job must end."""
         now = time.monotonic() if now is None else now
         try:
-            self._write("alive")
-            verdict = self._read(VERDICT)
-            beats = {row["rank"]: self._read(f"{PREFIX}{row['rank']}") for row in self.placement
-                     if row["rank"] != self.rank}
+            verdict, beats = self._exchange()
         except Exception as error:  # unreachable: give it the timeout, then end
             if now - self._store_ok > self.timeout_s:
-                return (f"{self._says()} cannot reach the rendezvous store for {now - self._store_ok:.0f} s"
-                        f" ({error}): rank 0's process or host is gone. {self._ending()}", [])
+                return self._unreachable(now - self._store_ok, error)
             return None
         self._store_ok = now
         if verdict is not None:
@@ -171,8 +168,49 @@ class Heartbeat:
         return (f"heartbeat_timeout={self.timeout_s:g} s; ending the job (exit {EXIT_CODE}); resume with"
                 " ckpt_path='last'")
 
+    def _exchange(self) -> tuple[Optional[dict[str, Any]], dict[int, Optional[dict[str, Any]]]]:
+        """Write this rank's beat; read the verdict and every peer's beat. A store whose server does not answer (its
+        process stopped) blocks a read for good, whatever the client's timeout: the calls run on a thread of their
+        own, given one round; one that has not returned by then fails this round and every round after it until it
+        does."""
+        if self._pending is not None and not self._pending.is_set():
+            raise TimeoutError("the store has not answered a read for a round or more")
+        done, result = threading.Event(), {}
+
+        def work() -> None:
+            try:
+                self._write("alive")
+                result["verdict"] = self._read(VERDICT)
+                result["beats"] = {row["rank"]: self._read(f"{PREFIX}{row['rank']}") for row in self.placement
+                                   if row["rank"] != self.rank}
+            except Exception as error:
+                result["error"] = error
+            finally:
+                done.set()
+
+        threading.Thread(target=work, name="horizon-heartbeat-io", daemon=True).start()
+        if not done.wait(max(self.interval_s, 1.0)):
+            self._pending = done
+            raise TimeoutError("the store did not answer within a round")
+        if "error" in result:
+            raise result["error"]
+        return result["verdict"], result["beats"]
+
     def _read(self, key: str) -> Optional[dict[str, Any]]:
         return json.loads(self.store.get(key)) if self.store.check([key]) else None
+
+    def _unreachable(self, seconds: float, error: BaseException) -> tuple[str, list[int]]:
+        """The store (served by rank 0's process) has not answered for ``seconds``: ranks on this host whose process
+        is stopped are named and killed; else rank 0's process or host is gone."""
+        here = liveness.host()
+        stopped = [row for row in self.placement if row["rank"] != self.rank and row["host"] == here
+                   and liveness.process_state(row["pid"]) in ("T", "t")]
+        cause = "rank 0's process or host is gone, or stopped on another host"
+        if stopped:
+            cause = "; ".join(f"rank {row['rank']} (node {row['node']}, host {here}, pid {row['pid']}) is stopped"
+                              for row in stopped)
+        return (f"{self._says()} cannot reach the rendezvous store for {seconds:.0f} s ({error}): {cause}."
+                f" {self._ending()}", [row["rank"] for row in stopped])
 
     def _finish(self, message: str, kill: list[int]) -> None:
         log.error(message)

@@ -14,7 +14,7 @@ import os
 import re
 import socket
 import time
-from typing import Any
+from typing import Any, Optional
 
 log = logging.getLogger("lightning_horizon.strategy")  # the strategy's log: where its user looks
 
@@ -35,6 +35,16 @@ def looks_like_lost_peer(exception: BaseException) -> bool:
     )
 
 
+def process_state(pid: int) -> Optional[str]:
+    """The state letter of a process on this host (``/proc/<pid>/stat``: "R", "S", "D", "T" stopped, "Z" zombie,
+    ...), or ``None`` when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
 def _running(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -42,11 +52,7 @@ def _running(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    try:  # an exited child that its launcher has not reaped yet is a zombie: gone for our purpose
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
+    return process_state(pid) != "Z"  # an exited child its launcher has not reaped yet: gone for our purpose
 
 
 def lost_ranks(placement: list[dict[str, Any]], me: int) -> tuple[list[int], list[int]]:

@@ -3,8 +3,9 @@
 The watch's rules run against a real rendezvous store (a TCPStore served in this process) with the clock given:
 a silent peer, a peer stuck behind a rank that waits for it, a peer behind a rank that still moves (not named), a
 peer done with its fit, the verdict reaching every rank, an unreachable store. Then two real 2-rank fits on gloo,
-forked from one launch (tests/launch.py's ``run_worlds``), in which rank 1 hangs at step 3: stopped by SIGSTOP
-(4 ranks: every other rank names it), and asleep inside ``training_step`` (2 ranks). The collective timeout there is an hour: only the heartbeat can end them.
+forked from one launch (tests/launch.py's ``run_worlds``), in which a rank hangs at step 3: rank 1 stopped by
+SIGSTOP (4 ranks: every other rank names it), rank 1 asleep inside ``training_step`` (2 ranks), and rank 0, which
+serves the store, stopped (2 ranks). The collective timeout there is an hour: only the heartbeat can end them.
 """
 
 import json
@@ -94,36 +95,40 @@ def test_an_unreachable_store_ends_the_rank_after_the_timeout():
 
 # ------------------------------------------------------------------ real fits in which a rank hangs
 
-HOWS = {"stop": 4, "sleep": 2}  # how the victim hangs: devices
+#: tag: (how the victim hangs, the victim, devices). Rank 0 serves the rendezvous store: stopped, the others cannot
+#: read any beat, and name it from its process state on their host.
+CASES = {"stop": ("stop", 1, 4), "sleep": ("sleep", 1, 2), "stop-rank0": ("stop", 0, 2)}
+WHY = {"stop": "sent no heartbeat", "sleep": "has made no progress", "stop-rank0": "is stopped"}
 
 
 @pytest.fixture(scope="module")
 def hangs(tmp_path_factory) -> dict[str, dict]:
     work = tmp_path_factory.mktemp("hangs")
-    jobs = [{"tag": how, "call": "tests.scripts.hang:fit", "devices": devices,
-             "args": [devices, 1, how, TIMEOUT_S, str(work / f"ckpt-{how}")]} for how, devices in HOWS.items()]
+    jobs = [{"tag": tag, "call": "tests.scripts.hang:fit", "devices": devices,
+             "args": [devices, victim, how, TIMEOUT_S, str(work / f"ckpt-{tag}")]}
+            for tag, (how, victim, devices) in CASES.items()]
     ended, output = run_worlds(jobs, work, timeout=len(jobs) * 90, check=False)
-    assert set(HOWS) <= ended.keys(), f"jobs that ended: {sorted(ended)}\n{output[-6000:]}"
-    return {how: {**ended[how], "ckpt": work / f"ckpt-{how}" / "last.ckpt"} for how in HOWS}
+    assert set(CASES) <= ended.keys(), f"jobs that ended: {sorted(ended)}\n{output[-6000:]}"
+    return {tag: {**ended[tag], "ckpt": work / f"ckpt-{tag}" / "last.ckpt"} for tag in CASES}
 
 
-@pytest.mark.parametrize("how", HOWS)
-def test_a_hung_rank_is_named_the_job_ends_and_the_last_checkpoint_stays(hangs, how):
-    job = hangs[how]
+@pytest.mark.parametrize("tag", CASES)
+def test_a_hung_rank_is_named_the_job_ends_and_the_last_checkpoint_stays(hangs, tag):
+    job, (how, victim, devices) = hangs[tag], CASES[tag]
     out = job["log"]
     assert "FINISHED" not in out
     # the other ranks named the victim, killed it (same host) and ended with the heartbeat's status; nothing left
     # running (run_worlds waits for every rank of the job)
-    assert job["exit"] == [-9 if r == 1 else EXIT_CODE for r in range(HOWS[how])], f"{job['exit']}\n{out[-6000:]}"
-    why = "sent no heartbeat" if how == "stop" else "has made no progress"
+    assert job["exit"] == [-9 if r == victim else EXIT_CODE for r in range(devices)], f"{job['exit']}\n{out[-6000:]}"
     said = {}  # every other rank named it: as the one that did, or by its verdict
     for line in out.splitlines():
-        if line.startswith("HorizonStrategy heartbeat, rank ") and "rank 1 (node 0, host " in line and why in line:
+        if line.startswith("HorizonStrategy heartbeat, rank ") and f"rank {victim} (node 0, host " in line \
+                and WHY[tag] in line:
             said[int(line.split()[3].rstrip(":"))] = line
-    assert set(said) >= {r for r in range(HOWS[how]) if r != 1}, out[-6000:]
+    assert set(said) >= {r for r in range(devices) if r != victim}, out[-6000:]
     if how == "sleep":
-        assert "in training_step, while rank 0 waits for it in backward" in out, out[-6000:]
-    hung_at = float(out.split(f"rank 1 hangs now ({how}) at ")[1].split()[0])
+        assert f"in training_step, while rank {1 - victim} waits for it in backward" in out, out[-6000:]
+    hung_at = float(out.split(f"rank {victim} hangs now ({how}) at ")[1].split()[0])
     assert job["ended_at"] - hung_at < TIMEOUT_S + MARGIN_S, (job["ended_at"] - hung_at, out[-3000:])
     checkpoint = torch.load(job["ckpt"], weights_only=False)  # the last complete one: written after step 3
     assert checkpoint["global_step"] == 3

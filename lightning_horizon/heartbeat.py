@@ -59,6 +59,21 @@ def connect(address: str, port: int, timeout_s: float) -> dist.TCPStore:
                          wait_for_workers=False)
 
 
+def start(address: str, port: int, rank: int, placement: list[dict[str, Any]],
+          timeout_s: float) -> Optional["Heartbeat"]:
+    """This rank's heartbeat on the rendezvous store at ``address:port``, started; ``None``, with a warning, where
+    no store answers there (a process group started without one, e.g. by MPI): the job then runs without it."""
+    try:
+        store = connect(address, port, timeout_s)
+        beat = Heartbeat(store, rank, placement, timeout_s)
+        beat.start()
+    except (RuntimeError, OSError) as error:  # torch's DistStoreError is a RuntimeError
+        log.warning(f"HorizonStrategy heartbeat, rank {rank}: off, no rendezvous store answers at {address}:{port}"
+                    f" ({error}); a hung peer is noticed at the collective timeout only")
+        return None
+    return beat
+
+
 class Heartbeat:
     """This rank's beat and its watch over the others' (module docstring). ``placement``: every rank's row (rank,
     node, host, pid); ``store``: the side channel (:func:`connect`); ``end``: what ends this process (tests replace

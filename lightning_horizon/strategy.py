@@ -163,11 +163,9 @@ class HorizonStrategy(DDPStrategy):
             self._heartbeat.stop()
             self._heartbeat = None
         if self.world_size > 1 and self.options.heartbeat_timeout is not None:
-            env = self.cluster_environment
-            store = heartbeat.connect(env.main_address, env.main_port, self.options.heartbeat_timeout)
-            self._heartbeat = heartbeat.Heartbeat(store, self.global_rank, self.placement,
-                                                  self.options.heartbeat_timeout)
-            self._heartbeat.start()
+            self._heartbeat = heartbeat.start(self.cluster_environment.main_address,
+                                              self.cluster_environment.main_port, self.global_rank, self.placement,
+                                              self.options.heartbeat_timeout)
 
     def _beat(self, where: str) -> None:
         if self._heartbeat is not None:

@@ -132,3 +132,11 @@ def test_a_hung_rank_is_named_the_job_ends_and_the_last_checkpoint_stays(hangs, 
     assert job["ended_at"] - hung_at < TIMEOUT_S + MARGIN_S, (job["ended_at"] - hung_at, out[-3000:])
     checkpoint = torch.load(job["ckpt"], weights_only=False)  # the last complete one: written after step 3
     assert checkpoint["global_step"] == 3
+
+
+def test_no_store_at_the_address_leaves_the_heartbeat_off_with_a_warning(caplog):
+    """A process group started without a TCPStore at MASTER_ADDR:MASTER_PORT (e.g. by MPI): the job runs on,
+    without a heartbeat, and says so."""
+    with caplog.at_level("WARNING", logger="lightning_horizon.strategy"):
+        assert heartbeat.start("127.0.0.1", 1, 0, [{"rank": 0, "node": 0, "host": "h", "pid": 0}], 0.5) is None
+    assert "heartbeat, rank 0: off, no rendezvous store answers at 127.0.0.1:1" in caplog.text

@@ -399,7 +399,7 @@ def test_int8_blocks_of_any_size_round_trip_as_the_reference_quantization(block)
 
 @pytest.mark.skipif(not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")),
                     reason="no C compiler: the int8 codec runs on torch ops only")
-@pytest.mark.parametrize("block", [3, 50, 256])
+@pytest.mark.parametrize("block", [3, 50, 64, 256])  # multiples of 64: the AVX-512 path where the CPU has it
 def test_int8_kernel_gives_the_torch_codecs_bytes_errors_and_sums(block):
     """The C kernel and the torch ops are one codec: the same packed bytes, the same error written or added, the
     same decoded rows and the same row sum, bit for bit, including all-zero blocks and blocks holding NaN or inf

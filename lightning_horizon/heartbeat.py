@@ -82,6 +82,7 @@ class Heartbeat:
     def __init__(self, store: Any, rank: int, placement: list[dict[str, Any]], timeout_s: float,
                  interval_s: Optional[float] = None, end: Callable[[int], None] = os._exit) -> None:
         self.store, self.rank, self.placement, self.timeout_s = store, rank, placement, timeout_s
+        self._rows = {row["rank"]: row for row in placement}
         self.interval_s = interval_s if interval_s is not None else min(2.0, max(0.1, timeout_s / 6))
         self._end = end
         self._progress, self._where = 0, "setup"  # written by the training thread, read by the watcher
@@ -166,7 +167,7 @@ class Heartbeat:
                                    f" {self.rank} waits for it in {self._where}"))
         if not hung:
             return None
-        rows = {row["rank"]: row for row in self.placement}
+        rows = self._rows
         named = "; ".join(f"rank {peer} (node {rows[peer]['node']}, host {rows[peer]['host']}, pid"
                           f" {rows[peer]['pid']}) {why}" for peer, why in hung)
         try:
@@ -236,10 +237,9 @@ class Heartbeat:
             handler.flush()
         sys.stdout.flush()
         sys.stderr.flush()
-        pids = {row["rank"]: row["pid"] for row in self.placement}
         for peer in kill:
             try:
-                os.kill(pids[peer], signal.SIGKILL)
+                os.kill(self._rows[peer]["pid"], signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
         self._end(EXIT_CODE)

@@ -15,8 +15,8 @@ compressed hierarchical reduction of a few pipeline chunks over the real groups,
 makes the cost model's time for it equal the measured time. That figure holds what the solo one leaves out (the
 node's ranks coding, summing and copying on the same cores at once, and how much of the codec the pipeline really
 hides behind the wire): on 2 cores with 2 ranks each of 2 nodes and a 1 Gbit/s link, int8 came out at 1.0-1.6
-GB/s of fp32 there against 2-26 GB/s alone, and with it the model's compressed predictions were within 25% of the
-measured times at 1-64 MiB.
+GB/s of fp32 there against 2-26 GB/s alone, and with it the model's compressed times were 0.86-1.24 of the
+measured ones at 8 and 64 MiB (at 1 MiB 0.51-1.24: docs/collectives.md).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from torch import nn
 
 from lightning_horizon import memory, placement
 from lightning_horizon.collectives import GradientSync
-from lightning_horizon.node_state import NodeState
+from lightning_horizon.node_state import NodeState, resolve_group_nodes
 from lightning_horizon.parts import Parts
 from lightning_horizon.rng import RNGState
 from lightning_horizon.sharding import GraphSharder
@@ -62,13 +62,15 @@ def before_ddp(strategy: Any, model: nn.Module, trainer: Any, find_unused: bool)
         return True
     if options.state != "node_sharded":
         return False
-    if strategy.topology.ranks_per_node == 1:
+    group_nodes = resolve_group_nodes(options.shard_group_nodes, strategy.topology.num_nodes)
+    if strategy.topology.ranks_per_node == 1 and group_nodes == 1:
         if strategy.global_rank == 0:
-            log.info("HorizonStrategy(state='node_sharded'): one rank per node holds everything; replicated")
+            log.info("HorizonStrategy(state='node_sharded'): one rank per node and one node per shard group holds"
+                     " everything; replicated")
         return False
     # Before the optimizers and the precision plugin connect: masters only for what this rank owns.
     node = NodeState(model, strategy.process_groups, options.bucket_bytes, strategy.training_state,
-                     strategy.precision_plugin, options.node_weights)
+                     strategy.precision_plugin, options.node_weights, group_nodes)
     node.install()
     strategy.parts.add("node_state", node)
     return True

@@ -30,6 +30,7 @@ class HorizonOptions:
     state: str
     node_weights: str
     state_checkpoint: str
+    shard_group_nodes: Union[str, int]
     store: Optional[StoreConfig]
     heartbeat_timeout: Optional[float]
 
@@ -42,15 +43,15 @@ class HorizonOptions:
         cls, *, ranks_per_node: Any, bucket_size_mb: Any, timeout: Any, process_group_backend: Any, pin_cores: Any,
         threads_per_rank: Any, sharding: Any, collectives: Any, compression: Any, sync_every: Any,
         sync_warmup_steps: Any, torus_shape: Any, cost_model: Any, state: Any, node_weights: Any,
-        state_checkpoint: Any, state_store: Union[None, str, os.PathLike, StoreConfig], checkpoint_io: Any,
-        heartbeat_timeout: Any, ddp_kwargs: dict[str, Any], named: set[str],
+        state_checkpoint: Any, shard_group_nodes: Any, state_store: Union[None, str, os.PathLike, StoreConfig],
+        checkpoint_io: Any, heartbeat_timeout: Any, ddp_kwargs: dict[str, Any], named: set[str],
     ) -> "HorizonOptions":
         """Check every argument (ValueError naming the first bad one) and resolve the configs. ``ddp_kwargs``: the
         extra keywords for DDPStrategy and DistributedDataParallel; ``named``: the strategy's own parameter names."""
         resolved_sharding = resolve_sharding(sharding)
         config = CollectivesConfig(algorithm=collectives, compression=compression, sync_every=sync_every,
                                    sync_warmup_steps=sync_warmup_steps, torus_shape=torus_shape, cost_model=cost_model)
-        check_state(state, node_weights, state_checkpoint, collectives, compression, sync_every,
+        check_state(state, node_weights, state_checkpoint, shard_group_nodes, collectives, compression, sync_every,
                     ddp_kwargs.get("ddp_comm_hook"))
         store = resolve_store(state_store)
         if store is not None and state != "replicated":
@@ -64,7 +65,8 @@ class HorizonOptions:
         return cls(ranks_per_node=ranks_per_node, bucket_size_mb=bucket_size_mb, timeout=timedelta(seconds=seconds),
                    process_group_backend=process_group_backend, pin_cores=pin_cores,
                    threads_per_rank=threads_per_rank, sharding=resolved_sharding, collectives=config, state=state,
-                   node_weights=node_weights, state_checkpoint=state_checkpoint, store=store,
+                   node_weights=node_weights, state_checkpoint=state_checkpoint,
+                   shard_group_nodes=shard_group_nodes, store=store,
                    heartbeat_timeout=check_heartbeat(heartbeat_timeout))
 
 

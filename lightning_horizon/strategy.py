@@ -59,6 +59,9 @@ class HorizonStrategy(DDPStrategy):
         state: ``"replicated"`` or ``"node_sharded"`` (one copy of the weights per node, the rest owned in shares).
         node_weights: with ``"node_sharded"``: ``"shared"`` (in ``/dev/shm``) or ``"copies"`` (one per rank).
         state_checkpoint: with ``"node_sharded"``: ``"full"`` (rank 0 writes all) or ``"per_rank"`` (each its share).
+        shard_group_nodes: with ``"node_sharded"``: the nodes that together hold one copy of the state (masters,
+            gradients, optimizer state), a divisor of the node count; ``"auto"``: the largest divisor up to a quarter
+            of the nodes (1 below 8 nodes: each node holds a copy).
         state_store: ``None``, ``"auto"``, a folder or a ``StoreConfig``: out-of-core training state.
         heartbeat_timeout: seconds after which a peer that sends no heartbeat, or makes no progress while the others
             wait for it, is named and the job ends (exit 75); ``None``: no heartbeat.
@@ -77,7 +80,8 @@ class HorizonStrategy(DDPStrategy):
         sharding: Union[None, str, ShardingConfig] = None, collectives: str = "flat", compression: Optional[str] = None,
         sync_every: int = 1, sync_warmup_steps: int = 0, torus_shape: Optional[tuple[int, int]] = None,
         cost_model: Optional[Any] = None, state: str = "replicated", node_weights: str = "shared",
-        state_checkpoint: str = "full", state_store: Union[None, str, os.PathLike, StoreConfig] = None,
+        state_checkpoint: str = "full", shard_group_nodes: Union[str, int] = "auto",
+        state_store: Union[None, str, os.PathLike, StoreConfig] = None,
         heartbeat_timeout: Optional[float] = heartbeat.DEFAULT_TIMEOUT_S, **kwargs: Any,
     ) -> None:
         # Every check runs here, in the Trainer's constructor: before a launcher starts a process or a group.

@@ -125,17 +125,20 @@ def check_ddp_kwargs(kwargs: dict[str, Any], named: set[str]) -> None:
 
 
 def check_state(
-    state: Any, node_weights: Any, state_checkpoint: Any, collectives: Any, compression: Any, sync_every: Any,
-    ddp_comm_hook: Any,
+    state: Any, node_weights: Any, state_checkpoint: Any, shard_group_nodes: Any, collectives: Any, compression: Any,
+    sync_every: Any, ddp_comm_hook: Any,
 ) -> None:
     """``state`` is one of :data:`STATES`; ``"node_sharded"`` refuses, by name, the options its gradient path does
     not implement."""
     check_one_of(OWNER, "state", state, STATES)
     check_one_of(OWNER, "node_weights", node_weights, NODE_WEIGHTS)
     check_one_of(OWNER, "state_checkpoint", state_checkpoint, STATE_CHECKPOINTS)
+    require(shard_group_nodes == "auto" or is_int(shard_group_nodes, 1), OWNER, "shard_group_nodes",
+            shard_group_nodes, "'auto' or an int >= 1 dividing the number of nodes")
     if state != "node_sharded":
         for name, value, default in (("node_weights", node_weights, "shared"),
-                                     ("state_checkpoint", state_checkpoint, "full")):
+                                     ("state_checkpoint", state_checkpoint, "full"),
+                                     ("shard_group_nodes", shard_group_nodes, "auto")):
             if value != default:
                 raise ValueError(f"{name}={value!r} with state={state!r}: an option of state='node_sharded'; leave"
                                  f" it at {default!r} or pass state='node_sharded'")
@@ -157,10 +160,16 @@ def check_state(
 
 def check_world(options: Any, world: int, ranks_here: int, backend: Any, device: torch.device) -> None:
     """What the world size decides, checked before the launcher starts any process: ``ranks_per_node`` divides it,
-    the backend reduces ``device``'s tensors, the torus grid fits and, with compression, has a stage to compress."""
+    ``shard_group_nodes`` divides the number of nodes, the backend reduces ``device``'s tensors, the torus grid fits
+    and, with compression, has a stage to compress."""
     check_ranks_per_node(options.ranks_per_node, world)
     check_backend_device(backend, device)
     per_node = options.ranks_per_node or ranks_here
+    nodes, k = world // per_node, options.shard_group_nodes
+    if k != "auto" and nodes % k:
+        raise ValueError(f"{OWNER}(shard_group_nodes={k!r}) on {nodes} node{'s' if nodes > 1 else ''}: must divide"
+                         f" the number of nodes; allowed are {[d for d in range(1, nodes + 1) if nodes % d == 0]}"
+                         " or 'auto'")
     c = options.collectives
     x, y = c.grid_shape(world, per_node)
     if c.algorithm == "torus2d" and c.compression is not None and y == 1 and x > per_node:

@@ -60,13 +60,14 @@ class StrategyCheckpoint:
             checkpoint[CHECKPOINT_KEY] = {"world_size": s.world_size, "ranks": ranks, "state_files": files}
 
     def _save_node_state(self, checkpoint: dict[str, Any], filepath: Any, shares: Any) -> int:
-        """Each rank holds its parameters' optimizer state and masters (node 0's ranks hold everything; the other
-        nodes send nothing): gathered into rank 0's checkpoint, as one replicated run writes it, or written by
-        each rank to its own file (``state_checkpoint="per_rank"``). Returns the number of such files."""
+        """Each rank holds its parameters' optimizer state and masters (the first shard group's ranks, 0 .. n - 1,
+        hold everything; the others send nothing): gathered into rank 0's checkpoint, as one replicated run writes
+        it, or written by each of them to its own file (``state_checkpoint="per_rank"``). Returns the number of such
+        files."""
         s = self.strategy
         key = type(s.precision_plugin).__qualname__
         mine = None
-        if s.topology.node_rank == 0:
+        if shares.in_first_shard_group:
             names = dict(s.lightning_module.named_parameters())
             mine = node_checkpoint.local_part(checkpoint, key, s.optimizers, names, shares.owns)
         if s.options.state_checkpoint == "full" or "optimizer_states" not in checkpoint:
@@ -75,10 +76,10 @@ class StrategyCheckpoint:
                 node_checkpoint.merge(checkpoint, [p for p in parts if p is not None], key)
             return 0
         if mine is not None:
-            node_checkpoint.write_part(mine, filepath, s.topology.local_rank)
+            node_checkpoint.write_part(mine, filepath, s.topology.rank)
         s.barrier("per-rank state written")  # before rank 0 writes the checkpoint that names the files
         node_checkpoint.strip(checkpoint, key)
-        return s.topology.ranks_per_node
+        return shares.owners.count
 
     def after_remove(self, filepath: Any) -> None:
         if self.strategy.is_global_zero:

@@ -88,6 +88,26 @@ class Grid:
     col_ranks: list[int] = field(default_factory=list)
 
 
+@dataclass
+class ShardGroup:
+    """The groups of node-sharded state spread over ``nodes`` consecutive nodes (a shard group): together the ranks
+    of a shard group own one copy of the state, and every shard group holds the same copy.
+
+    ``members``: every rank of this rank's shard group (``nodes x ranks_per_node`` consecutive ranks); ``peers``: the
+    ranks with this rank's local rank on the nodes of its shard group (the nodes' reducers of the same buckets);
+    ``across``: the ranks at this rank's place in every shard group (the owners of the same buckets). ``None`` where
+    a group would hold a single rank, or where no process group is initialized.
+    """
+
+    nodes: int
+    members: Optional[dist.ProcessGroup] = None
+    peers: Optional[dist.ProcessGroup] = None
+    across: Optional[dist.ProcessGroup] = None
+    member_ranks: list[int] = field(default_factory=list)
+    peer_ranks: list[int] = field(default_factory=list)
+    across_ranks: list[int] = field(default_factory=list)
+
+
 class ProcessGroups:
     """The intra-node and inter-node groups of a :class:`Topology`, plus any other grid, built once.
 
@@ -98,6 +118,7 @@ class ProcessGroups:
     def __init__(self, topology: Topology) -> None:
         self.topology = topology
         self._grids: dict[int, Grid] = {}
+        self._shard_groups: dict[int, ShardGroup] = {}
         node = self.grid(topology.ranks_per_node)
         self.intra, self.inter = node.row, node.col
         self.intra_ranks, self.inter_ranks = node.row_ranks, node.col_ranks
@@ -126,6 +147,28 @@ class ProcessGroups:
                         g.col = pg
             self._grids[cols] = g
         return self._grids[cols]
+
+    def shard_group(self, nodes: int) -> ShardGroup:
+        """The groups of a shard group of ``nodes`` nodes (created collectively on first request, then cached)."""
+        t = self.topology
+        if nodes < 1 or t.num_nodes % nodes:
+            raise ValueError(f"nodes={nodes!r}: must divide the number of nodes {t.num_nodes}")
+        if nodes not in self._shard_groups:
+            span = nodes * t.ranks_per_node
+            block = self.grid(span)  # rows: the shard groups; columns: the same place in every shard group
+            first = t.rank // span * span
+            g = ShardGroup(nodes=nodes, members=block.row, across=block.col, member_ranks=block.row_ranks,
+                           peer_ranks=list(range(first + t.local_rank, first + span, t.ranks_per_node)),
+                           across_ranks=block.col_ranks)
+            if dist.is_available() and dist.is_initialized() and t.world_size > 1 and nodes > 1:
+                for start in range(0, t.world_size, span):  # collective: every rank creates every group, same order
+                    for local in range(t.ranks_per_node):
+                        ranks = list(range(start + local, start + span, t.ranks_per_node))
+                        pg = dist.new_group(ranks)
+                        if t.rank in ranks:
+                            g.peers = pg
+            self._shard_groups[nodes] = g
+        return self._shard_groups[nodes]
 
 
 def placement_table(topology: Topology, placement: list[dict[str, Any]], header: str) -> str:

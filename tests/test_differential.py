@@ -46,6 +46,13 @@ FIXED = [
     {**simplest(4, seed=23), **_W4, "collectives": "hierarchical", "compression": "int8"},
     {**simplest(4, seed=23), **_W4, "collectives": "auto", "cost_model": "slow",
      "optimizer": {"name": "Adagrad", "kwargs": {"lr": 0.1, "initial_accumulator_value": 0.1, "lr_decay": 0.01}}},
+    # node_sharded state in shard groups across nodes: both nodes of 1 rank hold one copy (eager Adagrad state, a
+    # checkpoint after fit, a resume into replicated); 2 nodes x 2 hold one copy over 4 ranks, under a clip
+    {**simplest(2, seed=24), **_W2, "state": "node_sharded", "shard_nodes": 2, "save_after": True,
+     "optimizer": {"name": "Adagrad", "kwargs": {"lr": 0.1}}, "resume": {"from": "during", "layout": "replicated"}},
+    {**simplest(4, seed=25), **_W4, "state": "node_sharded", "shard_nodes": 2, "model": {**simplest()["model"],
+     "tied": True, "never": True}, "optimizer": {"name": "AdamW", "kwargs": {"lr": 1e-2, "weight_decay": 0.1}},
+     "clip": {"where": "trainer", "algorithm": "norm", "value": 0.05}},
 ]
 #: library defects found by the tester and not fixed yet: the example's index in FIXED -> the defect (none now;
 #: such an example must fail against "ddp" only, and passes the day it is fixed: then its entry goes)
@@ -83,7 +90,9 @@ def test_ci_examples_draw_every_capability_and_lifecycle_step():
     c = coverage(ci_examples() + refused_examples())
     print("\n" + format_coverage(c))
     wanted = {
-        "model": {"zoo", "transformer", "boring"}, "state": {"replicated", "node_sharded"},
+        "model": {"zoo", "transformer", "boring"},
+        "state": {"replicated", "node_sharded (2 per node)", "node_sharded (1 per node, shard groups of 2 nodes)",
+                  "node_sharded (2 per node, shard groups of 2 nodes)"},
         "store": {"auto", "after_backward"}, "sharding": {"auto", "forced"},
         "precision": {"64-true", "32-true", "bf16-mixed", "bf16-true+fp32", "bf16-true+kahan"},
         "optimization": {"automatic", "manual"}, "accumulate": {1, 2},

@@ -4,8 +4,11 @@ Every multi-process case runs twice, node-sharded and replicated, with everythin
 tests/scripts/composition_fit.py runs (real gloo ranks); the node-sharded run must give the
 replicated run's weights and losses: equal to float64 rounding in ``64-true`` (where only the summation order
 differs), within a small fraction of the weights' movement in fp32 / bf16. 1 node x 4 ranks and 2 emulated nodes x 2
-ranks at world 4, 1 node x 2 at world 2. Checkpoints are full: they load into a plain module (``strict=True``), into
-``state="replicated"`` and into another number of ranks per node, and resume exactly in the same layout.
+ranks at world 4, 1 node x 2 at world 2; shard groups across nodes (``shard_group_nodes``) on 4 emulated nodes x 1
+rank and 2 x 2, where the optimizer state per node is 1/k and the bytes each node sends are the model's
+(``node_state.at_scale``). Checkpoints are full: they load into a plain module (``strict=True``), into
+``state="replicated"``, into another number of ranks per node and another shard group, and resume exactly in the
+same layout.
 
 Against Lightning's own "ddp" (float64): a checkpoint saved after fit is the full one, an optimizer with eager state
 (Adagrad) saves and resumes its owners' state, and every clip path clips by the whole gradient's norm.
@@ -26,7 +29,7 @@ import torch
 
 from lightning_horizon import HorizonStrategy
 from lightning_horizon.memory import training_memory
-from lightning_horizon.node_state import PER_PARAMETER, NodeState, plan_buckets
+from lightning_horizon.node_state import PER_PARAMETER, NodeState, Owners, at_scale, plan_buckets, resolve_group_nodes
 from lightning_horizon.node_state.optimizers import why_not
 from lightning_horizon.node_state.checkpoint import local_part, merge, owned_optimizer_state
 from lightning_horizon.parts import Part, Parts
@@ -41,7 +44,7 @@ STEPS, SAVE_AT = 4, 2
 
 def test_buckets_on_parameter_boundaries_balanced_by_bytes():
     params = [torch.zeros(n) for n in (100, 30, 30, 30, 10, 10, 400, 5)]
-    buckets = plan_buckets(params, ranks_per_node=3, cap_bytes=200)
+    buckets = plan_buckets(params, owners=3, cap_bytes=200)
     assert [p for b in buckets for p in b.params] == params[::-1]  # reverse order, every parameter once, whole
     assert all(b.nbytes <= 200 or len(b.params) == 1 for b in buckets)  # a larger parameter is a bucket of its own
     loads = [sum(b.nbytes for b in buckets if b.owner == r) for r in range(3)]
@@ -60,11 +63,49 @@ def test_buckets_one_dtype_each():
     ({"compression": "int8"}, ("compression='int8'", "node_sharded")),
     ({"sync_every": 4}, ("sync_every=4", "node_sharded")),
     ({"ddp_comm_hook": lambda s, b: None}, ("ddp_comm_hook=", "node_sharded")),
+    ({"shard_group_nodes": 0}, ("shard_group_nodes=0", "'auto' or an int >= 1")),
+    ({"shard_group_nodes": True}, ("shard_group_nodes=True", "'auto' or an int >= 1")),
+    ({"shard_group_nodes": 2, "state": "replicated"}, ("shard_group_nodes=2", "state='node_sharded'")),
 ])
 def test_refused_by_name(kwargs, names):
     with pytest.raises(ValueError) as err:
         HorizonStrategy(**{"state": "node_sharded", **kwargs})
     assert all(n in str(err.value) for n in names), str(err.value)
+
+
+def test_shard_group_that_does_not_divide_the_nodes_is_refused_before_any_process_starts():
+    import lightning as L
+
+    with pytest.raises(ValueError, match=r"shard_group_nodes=3\) on 4 nodes: must divide the number of nodes; allowed"
+                                         r" are \[1, 2, 4\] or 'auto'"):
+        L.Trainer(accelerator="cpu", devices=4, logger=False,
+                  strategy=HorizonStrategy(state="node_sharded", ranks_per_node=1, shard_group_nodes=3))
+
+
+def test_shard_group_places_and_auto_size():
+    """Shard groups are blocks of consecutive ranks: a rank's place is its rank modulo the block, the reducer of an
+    owner's buckets is the owner's local rank on every node; "auto" is the largest divisor up to a quarter of the
+    nodes."""
+    o = Owners(ranks_per_node=2, nodes=2, rank=6)  # node 3, local rank 0: the second node of the second group
+    assert (o.count, o.me, o.reducer(3), o.rank_of(3), o.rank_of(0)) == (4, 2, 1, 7, 4)
+    assert [resolve_group_nodes("auto", n) for n in (1, 4, 7, 8, 12, 16, 18, 256)] == [1, 1, 1, 2, 3, 4, 3, 64]
+    assert resolve_group_nodes(2, 4) == 2
+    params = [torch.nn.Parameter(torch.zeros(64)) for _ in range(16)]
+    loads = [sum(b.nbytes for b in plan_buckets(params, 8, 256) if b.owner == r) for r in range(8)]
+    assert loads == [512] * 8  # 8 owners of a 2-node x 4-rank group, two parameters each
+
+
+def test_model_at_scale_state_falls_with_the_group_and_traffic_stays_an_allreduce():
+    n, w, rest = 10**6, 2, 14  # bf16-true with fp32 masters: weights 2 bytes, masters + grads + AdamW 14
+    one = at_scale(n, w, rest, nodes=16, ranks_per_node=4, group_nodes=1)
+    assert one["state"] == 16 * n and one["sent"] == pytest.approx(2 * 15 / 16 * 4 * n)  # DDP's ring allreduce
+    four = at_scale(n, w, rest, nodes=16, ranks_per_node=4, group_nodes=4)
+    assert four["state"] == w * n + rest * n / 4 and four["per_rank"] == four["state"] / 4
+    # reduce 3/4, all-reduce across 4 groups of a quarter, broadcast 3/4 of the bf16 weights
+    assert four["sent"] == pytest.approx(4 * n * 3 / 4 + 2 * 3 / 4 * 4 * n / 4 + 2 * n * 3 / 4)
+    assert four["sent"] < one["sent"]  # bf16 weights back cost less than the fp32 sums they replace
+    with pytest.raises(ValueError, match="group_nodes=3 must divide nodes=16"):
+        at_scale(n, w, rest, nodes=16, ranks_per_node=4, group_nodes=3)
 
 
 def test_optimizers_that_are_not_per_parameter_are_refused():
@@ -163,6 +204,19 @@ for _c in all_pairs(DIMENSIONS, valid):
     if _c["weights"] == "copies":
         EXTRA[case_name(_c)] = {"node_weights": "copies"}
 CASES["clip-bf16-mixed-1x2"] = ("gpt", "automatic", 2, 2, MIXED, None, False, False)
+# shard groups across nodes: (case, shard_group_nodes, node_weights)
+GROUP_CASES = {
+    "groups2-64-true-4x1-backoff": (("gpt", "automatic", 4, 1, FP64, None, True, False), 2, "shared"),
+    "groups4-64-true-4x1-manual-twice": (("tied", "manual-twice", 4, 1, FP64, None, False, False), 4, "shared"),
+    "groups2-64-true-2x2-accumulate-copies": (("transformer", "accumulate", 4, 2, FP64, None, False, False), 2,
+                                               "copies"),
+    "groups4-bf16-true+fp32-4x1-scheduler": (("gpt", "automatic", 4, 1, TRUE_FP32, None, False, True), 4, "shared"),
+    "groups2-bf16-true+kahan-2x2-recompute": (("generator", "automatic", 4, 2, KAHAN, "forced", True, False), 2,
+                                              "shared"),
+}
+for _name, (_case, _k, _weights) in GROUP_CASES.items():
+    CASES[_name] = _case
+    EXTRA[_name] = {"shard_group_nodes": _k, **({"node_weights": _weights} if _weights != "shared" else {})}
 # ||node-sharded - replicated|| / ||replicated - initial|| over the true weights. float64: rounding only; fp32
 # gradients: sums in another order; bf16 gradients (bf16-true): rounded to bf16 at other points when two backward
 # passes add up (measured 2.0e-3 with manual-twice); Kahan: also stochastic rounding draws in another order.
@@ -177,11 +231,12 @@ def tolerance_key(precision: Any) -> str:
 
 def run(name: str, model: str, optimization: str, world: int, rpn: int, precision: Any, sharding: Any,
         backoff: bool, scheduler: bool, state: str, state_checkpoint: str = "full", node_weights: str = "shared",
-        **extra: Any) -> dict:
+        shard_group_nodes: Any = "auto", **extra: Any) -> dict:
     strategy = {"state": state}
     if state == "node_sharded":
-        strategy.update({k: v for k, v in (("state_checkpoint", state_checkpoint), ("node_weights", node_weights))
-                         if v not in ("full", "shared")})
+        strategy.update({k: v for k, v in (("state_checkpoint", state_checkpoint), ("node_weights", node_weights),
+                                           ("shard_group_nodes", shard_group_nodes))
+                         if v not in ("full", "shared", "auto")})
     return {"name": f"{name}-{state}", "model": model, "optimization": optimization, "world": world,
             "ranks_per_node": rpn, "precision": precision, "strategy": strategy, "sharding": sharding,
             "backoff": backoff, "scheduler": scheduler, "steps": STEPS, "epoch_steps": SAVE_AT, **extra}
@@ -215,6 +270,18 @@ def all_runs(work: Path) -> list[dict]:
     runs.append(bf16)
     runs.append(run("resume-true-fp32-same", "gpt", "automatic", 4, 2, TRUE_FP32, None, False, False,
                     "node_sharded", resume_from=str(work / f"{bf16['name']}.ckpt" / f"step={SAVE_AT}.ckpt")))
+    # shard groups across nodes: per-rank files from 2 nodes x 2 in one group, resumed in the same layout, in
+    # 4 nodes x 1 in one group and replicated; a full checkpoint from 4 nodes x 1 in groups of 2
+    groups = run("ckpt-groups", "gpt", "automatic", 4, 2, TRUE_FP32, None, False, False, "node_sharded", "per_rank",
+                 shard_group_nodes=2, save_at=SAVE_AT)
+    runs.append(groups)
+    path = str(work / f"{groups['name']}.ckpt" / f"step={SAVE_AT}.ckpt")
+    for label, rpn, k, state in (("same", 2, 2, "node_sharded"), ("other", 1, 4, "node_sharded"),
+                                 ("repl", 4, "auto", "replicated")):
+        runs.append(run(f"resume-groups-{label}", "gpt", "automatic", 4, rpn, TRUE_FP32, None, False, False, state,
+                        shard_group_nodes=k, resume_from=path))
+    runs.append(run("ckpt-groups-full", "gpt", "automatic", 4, 1, FP32, None, False, False, "node_sharded",
+                    shard_group_nodes=2, save_at=SAVE_AT))
     return runs
 
 
@@ -305,11 +372,14 @@ def deviation(w: dict, ref: dict, w0: dict) -> float:
     return math.sqrt(num / max(den, 1e-60))
 
 
-def true_weights(ranks: list[dict], node: int, rpn: int) -> dict:
+def true_weights(ranks: list[dict], node: int, rpn: int, group_nodes: int = 1) -> dict:
     """The true weights of one node: each parameter's from the rank holding its master / compensation (under
-    node-sharded bf16-true only its owner does), else the node's first rank's."""
-    mine = ranks[node * rpn : (node + 1) * rpn]
-    out = dict(mine[0]["final"])
+    node-sharded bf16-true only its owner does, somewhere in the node's shard group of ``group_nodes`` nodes), else
+    the node's first rank's."""
+    span = rpn * group_nodes
+    first = node * rpn // span * span
+    mine = ranks[first : first + span]
+    out = dict(ranks[node * rpn]["final"])
     for r in mine:
         out.update({n: r["final"][n] for n in r.get("true_here", [])})
     return out
@@ -321,9 +391,10 @@ def test_same_result_as_replicated(results, name):
     sharded, replicated = results[f"{name}-node_sharded"], results[f"{name}-replicated"]
     _, _, world, rpn, precision, _, backoff, _ = CASES[name]
     tol = TOLERANCE[tolerance_key(precision)]
+    group_nodes = EXTRA.get(name, {}).get("shard_group_nodes", 1)
     for node in range(world // rpn):
         ref = replicated[node * rpn]
-        dev = deviation(true_weights(sharded, node, rpn), ref["final"], ref["initial"])
+        dev = deviation(true_weights(sharded, node, rpn, group_nodes), ref["final"], ref["initial"])
         assert dev <= tol, (node, dev)
     for rank, (s, r) in enumerate(zip(sharded, replicated)):
         assert s["global_step"] == r["global_step"]
@@ -337,6 +408,59 @@ def test_same_result_as_replicated(results, name):
     for s in sharded[1:]:
         assert distance(s["params"], sharded[0]["params"]) == 0.0
     assert not any(s["shm_after_fit"] for s in sharded)
+
+
+@WAITS_FOR_LAUNCHES
+@pytest.mark.parametrize("name", list(GROUP_CASES))
+def test_shard_groups_hold_a_kth_of_the_state_per_node_and_send_what_the_model_says(results, name):
+    """Each shard group of k nodes holds one copy of the optimizer state, a k-th of it per node (against the whole
+    copy per node of node-sharded state inside a node); the bytes the nodes sent in the last step are
+    ``at_scale``'s (message sizes, the gradient's per-parameter flags aside)."""
+    sharded, replicated = results[f"{name}-node_sharded"], results[f"{name}-replicated"]
+    (_, optimization, world, rpn, precision, _, _, _), k, _ = GROUP_CASES[name]
+    nodes, whole = world // rpn, replicated[0]["state_numel"]
+    numel = sum(v.numel() for v in replicated[0]["final"].values())
+    fp64 = precision == FP64
+    model = at_scale(numel, 8 if fp64 else 2, 0, nodes, rpn, k, sum_bytes=8 if fp64 else 4)["sent"]
+    counted = sum(r["comm"].get("bytes_inter", 0) + r["comm"].get("weights_bytes_inter", 0) for r in sharded) / nodes
+    assert counted == pytest.approx(model, rel=0.03), (counted, model)
+    per_node = [sum(r["state_numel"] for r in sharded[i * rpn : (i + 1) * rpn]) for i in range(nodes)]
+    print(name, "optimizer state per node / a whole copy:", [round(x / whole, 3) for x in per_node])
+    for g in range(nodes // k):
+        assert sum(per_node[g * k : (g + 1) * k]) == whole  # one copy per shard group, nothing twice
+    if not optimization.startswith("manual"):
+        # one optimizer, so state in proportion to the parameters owned: the owners' shares are even to one bucket
+        # each (buckets of composition_fit.py's 0.004 MiB, or a larger parameter alone)
+        width = 8 if fp64 else 2 if isinstance(precision, dict) and precision["mode"] == "bf16-true" else 4
+        bucket = max(max(v.numel() for v in replicated[0]["final"].values()), int(0.004 * 2**20) // width)
+        assert max(per_node) <= whole * (1 / k + rpn * bucket / numel)
+
+
+@WAITS_FOR_LAUNCHES
+def test_shard_group_checkpoints_resume_in_every_layout(results):
+    """Per-rank files of a shard group of 2 nodes: one per rank of the group, resumed bitwise in the same layout and
+    within fp32 rounding in another group size and replicated; a full checkpoint from groups is the replicated one."""
+    work: Path = results["_work"]  # type: ignore[assignment]
+    path = work / "ckpt-groups-node_sharded.ckpt" / f"step={SAVE_AT}.ckpt"
+    assert torch.load(path, weights_only=False)["HorizonStrategy"]["state_files"] == 4
+    assert sorted(p.name for p in Path(f"{path}.state").iterdir()) == [f"rank{i}.pt" for i in range(4)]
+    whole = results["ckpt-groups-node_sharded"]
+    truth = true_weights(whole, 0, 2, group_nodes=2)
+    same = results["resume-groups-same-node_sharded"]
+    assert distance(true_weights(same, 0, 2, group_nodes=2), truth) == 0.0
+    assert same[0]["losses"] == whole[0]["losses"][SAVE_AT:]
+    for resumed, rpn, k in ((results["resume-groups-other-node_sharded"], 1, 4),
+                            (results["resume-groups-repl-replicated"], 4, 1)):
+        for node in range(4 // rpn):
+            dev = deviation(true_weights(resumed, node, rpn, k), truth, whole[0]["initial"])
+            assert dev <= TOLERANCE["fp32"], (rpn, node, dev)
+    full = torch.load(work / "ckpt-groups-full-node_sharded.ckpt" / f"step={SAVE_AT}.ckpt", weights_only=False)
+    replicated = torch.load(work / "ckpt-replicated.ckpt" / f"step={SAVE_AT}.ckpt", weights_only=False)
+    (f_opt,), (r_opt,) = full["optimizer_states"], replicated["optimizer_states"]
+    assert sorted(f_opt["state"]) == sorted(r_opt["state"])
+    for i, st in f_opt["state"].items():
+        for key, value in st.items():
+            assert torch.allclose(value, r_opt["state"][i][key], rtol=1e-3, atol=1e-5), (i, key)
 
 
 @WAITS_FOR_LAUNCHES

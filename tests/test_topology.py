@@ -70,6 +70,18 @@ def test_process_groups_lay_the_grids_without_a_process_group():
             groups.grid(cols)
 
 
+def test_shard_groups_are_blocks_of_nodes():
+    """8 ranks as 4 nodes x 2, shard groups of 2 nodes: rank 5 (node 2, local rank 1) is in the second group (ranks
+    4-7), its peers are local rank 1 on that group's nodes, and its place in the first group is rank 1's."""
+    groups = ProcessGroups(Topology(world_size=8, rank=5, ranks_per_node=2))
+    g = groups.shard_group(2)
+    assert (g.member_ranks, g.peer_ranks, g.across_ranks) == ([4, 5, 6, 7], [5, 7], [1, 5])
+    assert groups.shard_group(2) is g and groups.shard_group(1).member_ranks == groups.intra_ranks
+    assert groups.shard_group(1).across_ranks == groups.inter_ranks and groups.shard_group(4).across_ranks == [5]
+    with pytest.raises(ValueError, match=r"nodes=3: must divide the number of nodes 4"):
+        groups.shard_group(3)
+
+
 # ------------------------------------------------------------------ the placement table and cpulist
 
 

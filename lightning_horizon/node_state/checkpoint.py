@@ -1,15 +1,16 @@
 """Full, unsharded checkpoints from node-sharded state, and loading any checkpoint into any ownership.
 
 Each rank holds the optimizer state (and the precision policy's masters or compensations) of the parameters it owns;
-node 0's ranks together hold all of it. Saving gathers their pieces to rank 0 and merges them into exactly the dicts
+the first shard group's ranks (node 0's, or with ``shard_group_nodes=k`` the first k nodes') together hold all of
+it. Saving gathers their pieces to rank 0 and merges them into exactly the dicts
 a replicated run writes: the optimizer's ``state`` keyed by parameter index, the precision state's per-name masters.
 A piece holds only the entries of the parameters its rank owns, whatever else that rank's optimizer or precision
 holds (Adagrad's constructor makes state for every parameter; after fit, ``validate`` makes masters for all).
 So a checkpoint loads into a plain module (``strict=True``), into ``state="replicated"`` and into any other layout.
 Loading keeps only what this rank owns (the rest is dropped before the optimizer allocates it).
 
-With ``state_checkpoint="per_rank"`` nothing is gathered: each rank of node 0 writes its share next to the
-checkpoint (``<checkpoint>.state/rank<i>.pt``, each file atomic), all ranks wait, and only then rank 0 writes the
+With ``state_checkpoint="per_rank"`` nothing is gathered: each rank of the first shard group writes its share next
+to the checkpoint (``<checkpoint>.state/rank<i>.pt``, each file atomic), all ranks wait, and only then rank 0 writes the
 checkpoint itself, with the weights and everything but the shares, naming how many files it has: a checkpoint file
 never names files that are not complete. Loading reads the files (memory-mapped) and merges them back into the dicts
 a full checkpoint has, so a per-rank checkpoint too loads into any layout and into ``state="replicated"``.
@@ -47,8 +48,8 @@ def local_part(checkpoint: dict[str, Any], precision_key: Optional[str], optimiz
 
 
 def merge(checkpoint: dict[str, Any], parts: list[dict[str, Any]], precision_key: Optional[str]) -> None:
-    """Fold every rank's share (``parts``, node 0's ranks in local rank order) into rank 0's ``checkpoint``, in
-    place. An entry in several shares (a frozen parameter, every rank's) is taken from the first."""
+    """Fold every rank's share (``parts``, the first shard group's ranks in rank order) into rank 0's
+    ``checkpoint``, in place. An entry in several shares (a frozen parameter, every rank's) is taken from the first."""
     for i, opt_state in enumerate(checkpoint.get("optimizer_states", [])):
         merged: dict[int, Any] = {}
         for part in parts:
@@ -71,8 +72,8 @@ def state_dir(checkpoint_path: Any) -> str:
     return os.path.realpath(os.fspath(checkpoint_path)) + ".state"
 
 
-def write_part(part: dict[str, Any], checkpoint_path: Any, local_rank: int) -> None:
-    with atomic_file(os.path.join(state_dir(checkpoint_path), f"rank{local_rank}.pt")) as f:
+def write_part(part: dict[str, Any], checkpoint_path: Any, rank: int) -> None:
+    with atomic_file(os.path.join(state_dir(checkpoint_path), f"rank{rank}.pt")) as f:
         torch.save(part, f)
 
 

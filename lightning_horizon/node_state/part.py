@@ -1,11 +1,12 @@
 """NodeState: ``HorizonStrategy(state="node_sharded")`` on one rank, a strategy part.
 
-It plans the buckets and their owners (ownership.py), moves the parameters into the node's shared memory
-(shared_params.py; or keeps a copy per rank that the owners update by broadcast, broadcast_params.py), installs the
-gradient path (reduce.py) and tells the training state which parameters this rank
-steps, so that the precision policy keeps masters for those only and the gradient norm is summed over the node; every
-norm clipping takes that norm (clipping.py). The strategy calls it around each backward and after each optimizer step;
-checkpoints are merged and filtered by checkpoint.py, by this part's ownership, also after the fit.
+It plans the buckets and their owners in the shard group (ownership.py), moves the parameters into the node's shared
+memory (shared_params.py; or keeps a copy per rank that the owners update by broadcast, broadcast_params.py), installs
+the gradient path (reduce.py) and tells the training state which parameters this rank steps, so that the precision
+policy keeps masters for those only and the gradient norm is summed over the shard group; every norm clipping takes
+that norm (clipping.py). Where the shard group spans several nodes, the owners' updates reach its other nodes by
+broadcast after each step (broadcast_params.py). The strategy calls it around each backward and after each optimizer
+step; checkpoints are merged and filtered by checkpoint.py, by this part's ownership, also after the fit.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_horizon.node_state.accounting import state_bytes, table
-from lightning_horizon.node_state.broadcast_params import BroadcastParameters
+from lightning_horizon.node_state.broadcast_params import BroadcastParameters, group_broadcast
 from lightning_horizon.node_state.clipping import clip, warn_direct_clipping
 from lightning_horizon.node_state.optimizers import why_not
-from lightning_horizon.node_state.ownership import Bucket, plan_buckets
+from lightning_horizon.node_state.ownership import Bucket, Owners, plan_buckets
 from lightning_horizon.node_state.reduce import OwnerReduce
 from lightning_horizon.node_state.shared_params import SharedParameters
 from lightning_horizon.optim import torch_optimizer
@@ -42,19 +43,26 @@ class NodeState(Part):
                               GRADIENTS: "each bucket reduced to its owner, then across nodes"})
 
     def __init__(self, module: nn.Module, groups: ProcessGroups, cap_bytes: int, training_state: TrainingState,
-                 precision: Any = None, weights: str = "shared") -> None:
-        self.topology = groups.topology
+                 precision: Any = None, weights: str = "shared", group_nodes: int = 1) -> None:
+        """Collective (it may create the shard group's process groups): every rank, at the same point.
+        ``group_nodes``: the nodes of a shard group, which together hold one copy of the state."""
+        self.topology = t = groups.topology
         self.groups = groups
+        self.shard_group = groups.shard_group(group_nodes)
+        #: the places of the shard group and this rank's
+        self.owners = Owners(ranks_per_node=t.ranks_per_node, nodes=group_nodes, rank=t.rank)
         trainable = [p for p in dict.fromkeys(module.parameters()) if p.requires_grad]
-        self.buckets: list[Bucket] = plan_buckets(trainable, self.topology.ranks_per_node, cap_bytes)
+        self.buckets: list[Bucket] = plan_buckets(trainable, self.owners.count, cap_bytes)
         self._owner = {p: b.owner for b in self.buckets for p in b.params}  # kept after teardown: saving after fit
         #: how the node's ranks see the owners' updates: one shared copy ("shared") or a copy each ("copies")
         self.weights_mode = weights
         self.weights: Union[SharedParameters, BroadcastParameters] = (
-            SharedParameters(module, groups.intra, groups.inter if self.topology.local_rank == 0 else None,
-                             self.topology.local_rank, self.topology.node_rank, training_state)
-            if weights == "shared" else BroadcastParameters(module, self.buckets, groups.intra, self.topology)
+            SharedParameters(module, groups.intra, groups.inter if t.local_rank == 0 else None,
+                             t.local_rank, t.node_rank, training_state)
+            if weights == "shared" else BroadcastParameters(module, self.buckets, groups.intra, t, self.owners)
         )
+        self.group_weights = (group_broadcast(self.buckets, self.owners, self.shard_group.peers)
+                              if group_nodes > 1 else None)
         self.training_state = training_state
         self.reducer: Optional[OwnerReduce] = None
         # HorizonPrecision's stochastic rounding draws for this rank's parameters only: its generators differ per
@@ -67,8 +75,8 @@ class NodeState(Part):
         token = [uuid.uuid4().hex if self.topology.rank == 0 else None]
         dist.broadcast_object_list(token, src=0)
         self.weights.install(token[0])
-        self.reducer = OwnerReduce(self.buckets, self.topology, self.groups.inter)
-        self.training_state.shard(self.owns, self.groups.intra)
+        self.reducer = OwnerReduce(self.buckets, self.topology, self.owners, self.shard_group)
+        self.training_state.shard(self.owns, self.shard_group.members)
 
     def refuses(self, optimizer: Any) -> Optional[str]:
         return why_not(optimizer)
@@ -85,20 +93,26 @@ class NodeState(Part):
         for b in module.buffers():
             dist.broadcast(b, src=0)
         if self.topology.rank == 0:
-            owner = {p: b.owner for b in self.buckets for p in b.params}
             figures = state_bytes(module, optimizers, trainer.precision_plugin, self.topology.ranks_per_node,
-                                  lambda p: owner.get(p, 0), weights_shared=self.weights_mode == "shared")
-            log.info(table(figures, self.topology.ranks_per_node))
+                                  lambda p: self._owner.get(p, 0), weights_shared=self.weights_mode == "shared",
+                                  group_nodes=self.owners.nodes)
+            log.info(table(figures, self.topology.ranks_per_node, self.owners.nodes))
 
     def owns(self, p: Tensor) -> bool:
         """Whether this rank steps ``p`` (a parameter or its master) and holds its state; a parameter outside the
         buckets (frozen) is every rank's. Answers after teardown too (the shares a checkpoint gathers)."""
         owner = self._owner.get(self.training_state.parameter_of(p))
-        return owner is None or owner == self.topology.local_rank
+        return owner is None or owner == self.owners.me
+
+    @property
+    def in_first_shard_group(self) -> bool:
+        """Whether this rank is one of the ranks ``0 .. owners.count - 1``, which together hold the whole state
+        (the ranks a checkpoint takes it from; the rank's place is its global rank)."""
+        return self.topology.rank < self.owners.count
 
     def owner_loads(self) -> list[int]:
-        """Bytes of parameters each local rank owns."""
-        loads = [0] * self.topology.ranks_per_node
+        """Bytes of parameters each place of the shard group owns."""
+        loads = [0] * self.owners.count
         for b in self.buckets:
             loads[b.owner] += b.nbytes
         return loads
@@ -125,7 +139,10 @@ class NodeState(Part):
         self._rounding = None
 
     def optimizer_stepped(self, optimizer: Any) -> None:
-        """The owners' updates reach every rank of the node before any of them reads the weights again."""
+        """The owners' updates reach every node of the shard group, then every rank of the node, before any of them
+        reads the weights again."""
+        if self.group_weights is not None:
+            self.group_weights.send()
         self.weights.after_step()
 
     def comm_metrics(self) -> dict[str, float]:
@@ -135,6 +152,8 @@ class NodeState(Part):
         out = {"bytes_intra": r.bytes_intra, "bytes_inter": r.bytes_inter}
         if isinstance(self.weights, BroadcastParameters):
             out["weights_bytes_intra"] = self.weights.bytes_sent
+        if self.group_weights is not None:
+            out["weights_bytes_inter"] = self.group_weights.bytes_sent
         return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -148,6 +167,8 @@ class NodeState(Part):
             self.reducer.remove()
             self.reducer = None
         self.weights.uninstall()
+        if self.group_weights is not None:
+            self.group_weights.clear()
         self.training_state.unshard()
 
 

@@ -1,14 +1,18 @@
-"""The gradient path of ``state="node_sharded"``: each bucket is summed on its owner, then across nodes among owners.
+"""The gradient path of ``state="node_sharded"``: each bucket is summed on its node's reducer, then to its owner.
 
 During backward, a hook on each parameter counts the gradients of its bucket; when a bucket is complete it is
 launched, in bucket order on every rank (a bucket waits for the ones before it, as in DDP, so every rank issues the
 same messages in the same order whatever order its gradients came in):
 
-- every other local rank sends its flat copy of the bucket to the owner (point to point inside the node) and drops
-  its gradients: a rank keeps the gradients of the parameters it owns only;
-- the owner sums the node's copies in fp32 (bf16 gradients travel in bf16 and are summed in fp32), all-reduces that
-  sum with the owners of the same bucket on the other nodes (they are the same local rank there), divides by the
-  world size and writes the result as the gradients of its parameters.
+- every other local rank sends its flat copy of the bucket to the bucket's reducer, the local rank at the owner's
+  local place (point to point inside the node), and drops its gradients: a rank keeps the gradients of the
+  parameters it owns only;
+- the reducer sums the node's copies in fp32 (bf16 gradients travel in bf16 and are summed in fp32);
+- where the shard group spans several nodes, the reducers of the bucket on the group's nodes reduce their sums to
+  the owner (``ShardGroup.peers``); the others keep nothing;
+- the owner all-reduces the sum with the owners of the same bucket in the other shard groups (``ShardGroup.across``:
+  with one node per shard group, the same local rank on every other node), divides by the world size and writes the
+  result as the gradients of its parameters.
 
 At most ``DEPTH`` buckets are in flight, so backward's compute overlaps the messages; their send and receive buffers
 are ``DEPTH + 1`` slots allocated once and reused (a fresh bucket-sized buffer per bucket costs its page faults
@@ -32,8 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_horizon.node_state.ownership import Bucket
-from lightning_horizon.topology import Topology
+from lightning_horizon.node_state.ownership import Bucket, Owners
+from lightning_horizon.topology import ShardGroup, Topology
 
 DEPTH = 2  # buckets in flight
 
@@ -41,10 +45,13 @@ DEPTH = 2  # buckets in flight
 class OwnerReduce:
     """Reduce every bucket's gradients to its owner, for the ranks of one node and their peers on other nodes."""
 
-    def __init__(self, buckets: list[Bucket], topology: Topology, inter: Optional[dist.ProcessGroup]) -> None:
+    def __init__(self, buckets: list[Bucket], topology: Topology, owners: Owners, shard_group: ShardGroup) -> None:
         self.buckets = buckets
         self.topology = topology
-        self._inter = inter  # this rank's peers on the other nodes (same local rank): None on one node
+        self._owners = owners
+        self._peers = shard_group.peers  # this local rank on the other nodes of the shard group: None on one
+        self._across = shard_group.across  # this place in the other shard groups: None with one shard group
+        self._across_size = len(shard_group.across_ranks)
         self._base = topology.node_rank * topology.ranks_per_node
         self._bucket_of = {p: b for b in buckets for p in b.params}
         self._ready = [0] * len(buckets)
@@ -151,9 +158,9 @@ class OwnerReduce:
             flat[n + i] = 0.0 if p.grad is None else 1.0
             p.grad = None  # the flat copy holds it now; the owner gets the sum back
             off += k
-        me, size = self.topology.local_rank, self.topology.ranks_per_node
-        if b.owner != me:
-            work = dist.isend(flat, dst=self._base + b.owner)
+        me, size, reducer = self.topology.local_rank, self.topology.ranks_per_node, self._owners.reducer(b.owner)
+        if reducer != me:
+            work = dist.isend(flat, dst=self._base + reducer)
             self.bytes_intra += flat.numel() * flat.element_size()
             self._inflight.append((b, flat, [work], None))
         else:
@@ -173,10 +180,16 @@ class OwnerReduce:
         total.copy_(flat)
         for row in received:  # a fixed order (local ranks ascending, this rank first): the same sum every run
             total.add_(row)  # a bf16 row is added in fp32, without a widened copy
-        if self._inter is not None:
-            dist.all_reduce(total, group=self._inter)
-            peers = self.topology.num_nodes
-            self.bytes_inter += 2 * (peers - 1) / peers * total.numel() * total.element_size()
+        if self._peers is not None:  # the shard group spans nodes: the owner takes the group's sum
+            owner = self._owners.rank_of(b.owner)
+            dist.reduce(total, dst=owner, group=self._peers)
+            if owner != self.topology.rank:
+                self.bytes_inter += total.numel() * total.element_size()
+                return
+        if self._across is not None:
+            dist.all_reduce(total, group=self._across)
+            g = self._across_size
+            self.bytes_inter += 2 * (g - 1) / g * total.numel() * total.element_size()
         n = b.numel
         total[:n].div_(self.topology.world_size)
         got = (total[n:] > 0).tolist()  # the flags, read once (not one tensor-to-bool per parameter)

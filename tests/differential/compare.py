@@ -14,6 +14,7 @@ import torch
 
 from tests.differential.plan import Plan, ckpt_path, tolerance
 from tests.differential.runner import Runner
+from tests.differential.space import _sharded
 
 Problem = tuple[str, str]
 #: checkpoint keys a reference need not have: the strategy's per-rank state (RNG, plans, layouts), and the
@@ -153,10 +154,6 @@ def largest(x: Any) -> float:
 def _short(x: Any, n: int = 160) -> str:
     s = repr(x)
     return s if len(s) <= n else s[:n] + "..."
-
-
-def _sharded(ex: dict) -> bool:
-    return ex["state"] == "node_sharded" and ex["rpn"] > 1
 
 
 def merged_optim(ranks: list[dict]) -> list[dict]:

@@ -39,9 +39,9 @@ def relayout(ex: dict, layout: str) -> dict:
     ex = copy.deepcopy(ex)
     if layout == "world1":
         ex.update(world=1, rpn=1, state="replicated", collectives="flat", torus_shape=None, cost_model=None,
-                  compression=None, sync_every=1)
+                  compression=None, sync_every=1, shard_nodes=1)
     elif layout == "replicated":
-        ex["state"] = "replicated"
+        ex.update(state="replicated", shard_nodes=1)
     elif layout == "ram":
         ex["store"] = None
     ex.update(ckpt_during=False, save_after=False, resume=None, eval=None)
@@ -55,7 +55,7 @@ def for_ddp(ex: dict) -> dict:
     local_sgd = ex["sync_every"] > 1
     return {**copy.deepcopy(ex), "rpn": ex["rpn"] if local_sgd else 1, "state": "replicated", "store": None,
             "sharding": None, "collectives": "flat", "torus_shape": None, "cost_model": None, "compression": None,
-            "bucket_mb": 1.0}
+            "bucket_mb": 1.0, "shard_nodes": 1}
 
 
 @dataclass

@@ -104,7 +104,8 @@ def coverage(examples: list[dict]) -> dict[str, collections.Counter]:
             c["lifecycle"][f"resume from {ex['resume']['from']} ({ex['resume']['layout']})"] += 1
         if ex["eval"]:
             c["lifecycle"][f"{ex['eval']['kind']} from {ex['eval']['from']}"] += 1
-        c["state"][ex["state"] if ex["rpn"] > 1 or ex["state"] == "replicated" else "node_sharded (1 per node)"] += 1
+        groups = f", shard groups of {ex['shard_nodes']} nodes" if ex["shard_nodes"] > 1 else ""
+        c["state"][ex["state"] if ex["state"] == "replicated" else f"node_sharded ({ex['rpn']} per node{groups})"] += 1
         c["store"][ex["store"]["step"] if ex["store"] else "-"] += 1
         c["sharding"][ex["sharding"] or "-"] += 1
         c["collectives"][ex["collectives"] + (f" {ex['torus_shape'][0]}x{ex['torus_shape'][1]}" if ex["torus_shape"]

@@ -124,6 +124,8 @@ def draw(seed: int, world: int) -> dict:
     ex["cost_model"] = rng.choice(list(COST_MODELS))
     ex["compression"] = _pick(rng, {None: 3, "bf16": 1, "int8": 1}) if world > 1 else None
     ex["sync_every"] = _pick(rng, {1: 3, 2: 2, 3: 1}) if nodes == 2 else 1
+    # node_sharded's shard group: the nodes that hold one copy of the state together (a divisor of the nodes)
+    ex["shard_nodes"] = rng.choice([d for d in range(1, nodes + 1) if nodes % d == 0])
     ex = constrain(ex)
     if refusal(ex) is not None and not keep_refused:
         ex = unrefuse(ex)
@@ -139,7 +141,7 @@ def simplest(world: int = 1, seed: int = 0) -> dict:
             "ckpt_during": False, "save_after": False, "resume": None, "eval": None, "state": "replicated",
             "store": None, "sharding": None, "collectives": "flat", "bucket_mb": 1.0, "backoff": None,
             "precision": "64-true", "steps": 2, "torus_shape": None, "cost_model": None, "compression": None,
-            "sync_every": 1}
+            "sync_every": 1, "shard_nodes": 1}
 
 
 def refused_examples() -> list[dict]:
@@ -180,6 +182,8 @@ def constrain(ex: dict) -> dict:
     m = ex["model"]
     world, rpn = ex["world"], ex["rpn"]
     ex["rpn"] = rpn = min(rpn, world)
+    if ex["state"] != "node_sharded" or (world // rpn) % ex["shard_nodes"]:
+        ex["shard_nodes"] = 1  # a shard group is node_sharded's, of a divisor of the nodes
     if ex["collectives"] != "flat" and not (world == 4 and rpn == 2):
         ex["collectives"] = "flat"  # hierarchical, torus2d and auto need 2 nodes of 2 ranks
     if ex["collectives"] != "torus2d":
@@ -252,7 +256,7 @@ def constrain(ex: dict) -> dict:
     if r is not None:
         if r["layout"] == "world1" and world == 1:
             r["layout"] = "same"
-        if r["layout"] == "replicated" and not (ex["state"] == "node_sharded" and rpn > 1):
+        if r["layout"] == "replicated" and not _sharded(ex):
             r["layout"] = "same"
         if r["layout"] == "ram" and ex["store"] is None:
             r["layout"] = "same"
@@ -301,7 +305,8 @@ def _one_row_compressed(ex: dict) -> bool:
 
 
 def _sharded(ex: dict) -> bool:
-    return ex["state"] == "node_sharded" and ex["rpn"] > 1
+    """Whether the state is sharded: node_sharded with several ranks per node or shard groups of several nodes."""
+    return ex["state"] == "node_sharded" and (ex["rpn"] > 1 or ex["shard_nodes"] > 1)
 
 
 def _in_backward_conflicts(ex: dict) -> list[str]:
@@ -403,7 +408,7 @@ def twin_changes(ex: dict) -> dict:
         out["store"] = None
     if ex["sharding"] is not None:
         out["sharding"] = None
-    if ex["state"] == "node_sharded" and ex["rpn"] == 1:
+    if ex["state"] == "node_sharded" and not _sharded(ex):
         out["state"] = "replicated"
     if ex["precision"] == "bf16-mixed":
         twin = {**ex, **out, "precision": "32-true"}
@@ -482,7 +487,7 @@ def summary(ex: dict) -> str:
     if ex["eval"]:
         parts.append(f"{ex['eval']['kind']}-from-{ex['eval']['from']}")
     if ex["state"] != "replicated":
-        parts.append(ex["state"])
+        parts.append(ex["state"] + (f"-groups{ex['shard_nodes']}" if ex["shard_nodes"] > 1 else ""))
     if ex["store"]:
         parts.append(f"store-{ex['store']['step']}-{ex['store']['prefetch']}")
     if ex["sharding"]:

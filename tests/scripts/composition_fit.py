@@ -28,7 +28,8 @@ injects a NaN loss on the last rank in training step 1 and a spike on rank 0 in 
 
 Each run writes OUT_DIR/NAME.rank{R}.pt as soon as it ends: the true weights after every optimizer step (fp32
 masters / bf16 + compensation under bf16-true), the final buffers, what reached user code that should not have
-(FakeTensor, meta), the backoff counters, the recompute count, or the error. An unexpected error in a
+(FakeTensor, meta), the backoff counters, the recompute count, the optimizer state held and the bytes the strategy
+counted in the last step, or the error. An unexpected error in a
 multi-process world ends the process (its peers may be left mid-collective): the test relaunches the runs after it.
 """
 
@@ -96,6 +97,7 @@ class Recorder(L.Callback):
         self.recompute: list[int] = []  # calls the plan recomputes, per micro-batch
         self.recomputed: list[str] = []  # which, in the last plan
         self.backoff: Optional[GradNormBackoff] = None
+        self.comm: dict[str, float] = {}  # what the strategy counted as sent in the last step
         self.norms: dict[int, list[float]] = {}  # global step -> the backoff's pre-clip norm per optimizer
         self.store_kinds: list[str] = []  # out-of-core: the kinds of tensors in the store's files
         self.store_holds: list[bool] = []  # [every trainable parameter, every optimizer state tensor] in the store
@@ -121,6 +123,7 @@ class Recorder(L.Callback):
         self.violations += module_bad_tensors(pl_module, f"module at on_train_batch_end step {trainer.global_step}")
         if trainer.global_step not in self.rows:
             self.rows[trainer.global_step] = true_weights(trainer, pl_module)
+        self.comm = getattr(trainer.strategy, "comm_metrics", dict)()
         if self.backoff is not None and trainer.global_step not in self.norms:
             self.norms[trainer.global_step] = [s.last_grad_norm for s in self.backoff.states]
         store = getattr(trainer.strategy, "store", None)
@@ -254,6 +257,10 @@ def fit(run: dict, out: Path, seen: dict) -> dict:
                       if getattr(trainer.precision_plugin, "training_state", None) is not None
                       and trainer.precision_plugin.training_state.where(p) != "module"],
         "params": {n: p.detach().clone() for n, p in module.named_parameters()},
+        # the optimizer state this rank holds (elements of its tensors, step counters aside)
+        "state_numel": sum(v.numel() for o in trainer.optimizers for st in o.state.values() for v in st.values()
+                           if torch.is_tensor(v) and v.dim() > 0),
+        "comm": recorder.comm,
         "buffers": {n: b.detach().clone() for n, b in module.named_buffers()},
         "violations": recorder.violations + model.violations,
         "losses": model.losses,

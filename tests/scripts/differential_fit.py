@@ -45,7 +45,7 @@ if str(REPO) not in sys.path:
 from lightning_horizon import GradNormBackoff, HorizonPrecision, HorizonStrategy  # noqa: E402
 from lightning_horizon.store import StoreConfig  # noqa: E402
 from tests.differential.models import BATCH, NodeAverage, RefClip, dataset, subject_class  # noqa: E402
-from tests.differential.space import COST_MODELS, EPOCH_STEPS, n_optimizers, needs_unused  # noqa: E402
+from tests.differential.space import COST_MODELS, EPOCH_STEPS, _sharded, n_optimizers, needs_unused  # noqa: E402
 from tests.scripts.composition_fit import Squeeze, sharding_of, true_weights  # noqa: E402
 
 
@@ -106,7 +106,7 @@ class NodeDDPStrategy(DDPStrategy):
 
 def strategy_of(spec: dict) -> Any:
     ex = spec["ex"]
-    unused = needs_unused(ex) and not (ex["state"] == "node_sharded" and ex["rpn"] > 1)
+    unused = needs_unused(ex) and not _sharded(ex)
     if spec["engine"] == "ddp":
         # the same buckets as horizon's: gloo's sum order over an element follows its bucket's size, and a
         # gradient that is rounding noise (a bias feeding BatchNorm) carries the order into the weights
@@ -117,6 +117,8 @@ def strategy_of(spec: dict) -> Any:
                     "bucket_size_mb": ex["bucket_mb"], "state": ex["state"], "collectives": ex["collectives"],
                     "compression": ex["compression"], "sync_every": ex["sync_every"],
                     "sharding": sharding_of({"sharding": ex["sharding"]})}
+    if ex["state"] == "node_sharded":
+        kwargs["shard_group_nodes"] = ex["shard_nodes"]
     if ex["torus_shape"] is not None:
         kwargs["torus_shape"] = tuple(ex["torus_shape"])
     if ex["cost_model"] is not None:

@@ -62,8 +62,8 @@ class Codec:
         rows, c = x.shape
         if self._kernel is not None:
             for t in (x, error):
-                if t is not None and (t.dtype != torch.float32 or not t.is_contiguous()):
-                    raise ValueError(f"the int8 kernel codes contiguous fp32 rows, got {t.dtype} strides {t.stride()}")
+                if t is not None:
+                    _fp32_rows(t)
             packed = torch.empty(rows, self._wire(c), dtype=torch.uint8)
             self._kernel.horizon_int8_encode(x.data_ptr(), rows, c, self.block, packed.data_ptr(), packed.shape[1],
                                              None if error is None else error.data_ptr(), int(accumulate))
@@ -92,7 +92,7 @@ class Codec:
         """Inverse of :meth:`encode` for ``c`` values per row: ``[rows, c]`` fp32, into ``out`` if given."""
         rows = packed.shape[0]
         if self._kernel is not None:
-            out = torch.empty(rows, c) if out is None else out.view(rows, c)
+            out = torch.empty(rows, c, dtype=torch.float32) if out is None else _fp32_rows(out).view(rows, c)
             self._kernel.horizon_int8_decode(packed.data_ptr(), rows, c, self.block, packed.shape[1], out.data_ptr(), 0)
             return out
         if self.name == "bf16":
@@ -108,11 +108,19 @@ class Codec:
     def decode_sum(self, packed: torch.Tensor, c: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The sum of the decoded rows, in fp32 and in row order: ``[c]``, into ``out`` if given."""
         if self._kernel is not None:
-            out = torch.empty(c) if out is None else out
+            out = torch.empty(c, dtype=torch.float32) if out is None else _fp32_rows(out)
             self._kernel.horizon_int8_decode(packed.data_ptr(), packed.shape[0], c, self.block, packed.shape[1],
                                              out.data_ptr(), 1)
             return out
         return torch.sum(self.decode(packed, c), dim=0, out=out)
+
+
+def _fp32_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t``, checked to be what the C kernel reads and writes: contiguous fp32 (it would read or write any other
+    dtype's bytes as fp32, silently)."""
+    if t.dtype != torch.float32 or not t.is_contiguous():
+        raise ValueError(f"the int8 kernel codes contiguous fp32 rows, got {t.dtype} strides {t.stride()}")
+    return t
 
 
 def coded_elements(chunk: int, group: int) -> int:
@@ -144,7 +152,8 @@ class CompressedAllreduce:
         self.comm, self.codec = comm, codec
         self.c = c = round_up(self.n, g * codec.block) // g
         self._padded = padded = x if g * c == self.n else F.pad(x, (0, g * c - self.n))
-        self.error = torch.empty(g * c)  # what this rank's encodings lost
+        # what this rank's encodings lost, in fp32 whatever the default dtype (64-true makes it float64)
+        self.error = torch.empty(g * c, dtype=torch.float32)
         # alive until the all-to-all that sends it is waited for
         self._packed = codec.encode(padded.view(g, c), error=self.error.view(g, c))
         self._received = torch.empty_like(self._packed)
@@ -213,7 +222,7 @@ class ErrorFeedback:
                 continue
             held = self.residual.get(name)
             if held is None:
-                held = self.residual[name] = torch.zeros(self._shapes[name])
+                held = self.residual[name] = torch.zeros(self._shapes[name], dtype=torch.float32)
             else:
                 held.zero_()
             flat = held.view(-1)

@@ -51,7 +51,8 @@ class Piece:
         for p in params:
             moves.append((offset, offset, p.numel()))
             offset += p.numel()
-        return cls(index, last, list(params), moves, torch.zeros(offset) if buffer is None else buffer)
+        return cls(index, last, list(params), moves,
+                   torch.zeros(offset, dtype=torch.float32) if buffer is None else buffer)
 
     def index(self) -> int:
         return self._index

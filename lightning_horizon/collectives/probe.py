@@ -46,7 +46,7 @@ REPEATS = 5
 
 
 def _min_time(comm: Comm, numel: int, repeats: int) -> float:
-    buf = torch.zeros(numel)
+    buf = torch.zeros(numel, dtype=torch.float32)
     comm.allreduce(buf)  # warm-up: connections, allocations
     best = float("inf")
     for _ in range(repeats):

@@ -42,7 +42,7 @@ class HorizonOptions:
     def resolve(
         cls, *, ranks_per_node: Any, bucket_size_mb: Any, timeout: Any, process_group_backend: Any, pin_cores: Any,
         threads_per_rank: Any, sharding: Any, collectives: Any, compression: Any, sync_every: Any,
-        sync_warmup_steps: Any, torus_shape: Any, cost_model: Any, state: Any, node_weights: Any,
+        sync_warmup_steps: Any, outer: Any, outer_lr: Any, outer_momentum: Any, sync_overlap: Any, torus_shape: Any, cost_model: Any, state: Any, node_weights: Any,
         state_checkpoint: Any, shard_group_nodes: Any, state_store: Union[None, str, os.PathLike, StoreConfig],
         checkpoint_io: Any, heartbeat_timeout: Any, ddp_kwargs: dict[str, Any], named: set[str],
     ) -> "HorizonOptions":
@@ -50,7 +50,9 @@ class HorizonOptions:
         extra keywords for DDPStrategy and DistributedDataParallel; ``named``: the strategy's own parameter names."""
         resolved_sharding = resolve_sharding(sharding)
         config = CollectivesConfig(algorithm=collectives, compression=compression, sync_every=sync_every,
-                                   sync_warmup_steps=sync_warmup_steps, torus_shape=torus_shape, cost_model=cost_model)
+                                   sync_warmup_steps=sync_warmup_steps, outer=outer, outer_lr=outer_lr,
+                                   outer_momentum=outer_momentum, sync_overlap=sync_overlap, torus_shape=torus_shape,
+                                   cost_model=cost_model)
         check_state(state, node_weights, state_checkpoint, shard_group_nodes, collectives, compression, sync_every,
                     ddp_kwargs.get("ddp_comm_hook"))
         store = resolve_store(state_store)

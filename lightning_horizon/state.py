@@ -172,21 +172,30 @@ class TrainingState:
             comp.copy_(value - param)  # in fp32 (type promotion), rounded once into the compensation
 
     @torch.no_grad()
-    def average(self, params: Iterable[Tensor], allreduce_mean: Callable[[Tensor], None]) -> None:
-        """Replace the true value of every parameter by its average: ``allreduce_mean`` averages one flat tensor in
-        place across the ranks that take part (one call for all parameters), in fp32, or in float64 where a true
-        weight is float64 (rounding float64 weights to fp32 at every average would move them by ~1e-8)."""
-        params = list(params)
-        if not params:
-            return
+    def read_flat(self, params: list[Tensor]) -> Tensor:
+        """The true values of ``params`` in one new flat tensor, in fp32, or in float64 where a true weight is
+        float64 (rounding float64 weights to fp32 would move them by ~1e-8)."""
         values = [self.read(p).reshape(-1) for p in params]
         dtype = functools.reduce(torch.promote_types, (v.dtype for v in values))
-        flat = torch.cat([v.to(dtype) for v in values])
-        allreduce_mean(flat)
+        return torch.cat([v.to(dtype) for v in values])
+
+    @torch.no_grad()
+    def write_flat(self, params: list[Tensor], flat: Tensor) -> None:
+        """Make consecutive pieces of ``flat`` (as :meth:`read_flat` lays them out) the true values of ``params``."""
         offset = 0
         for p in params:
             self.write(p, flat[offset : offset + p.numel()].view(p.shape))
             offset += p.numel()
+
+    def average(self, params: Iterable[Tensor], allreduce_mean: Callable[[Tensor], None]) -> None:
+        """Replace the true value of every parameter by its average: ``allreduce_mean`` averages one flat tensor in
+        place across the ranks that take part (one call for all parameters), as :meth:`read_flat` reads them."""
+        params = list(params)
+        if not params:
+            return
+        flat = self.read_flat(params)
+        allreduce_mean(flat)
+        self.write_flat(params, flat)
 
 
 __all__ = ["TrainingState", "MODULE", "MASTER", "COMPENSATED"]

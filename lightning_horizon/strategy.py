@@ -54,6 +54,10 @@ class HorizonStrategy(DDPStrategy):
         compression: ``None``, ``"bf16"`` or ``"int8"``: the inter-node stage, with error feedback.
         sync_every: 1, or k > 1: gradients reduced in the node, parameters averaged across nodes every k steps.
         sync_warmup_steps: with ``sync_every > 1``, the first steps that still reduce across the world.
+        outer: with ``sync_every > 1``: ``"average"`` (the nodes' weights averaged) or ``"nesterov"`` (DiLoCo's outer
+            step on the period's average change, ``outer_lr``, ``outer_momentum``).
+        sync_overlap: with ``sync_every > 1``: the cross-node exchange runs behind the next period, applied one
+            period late.
         torus_shape: ``(X, Y)`` for ``torus2d``, X * Y = world size; ``None``: X = ranks per node.
         cost_model: link and codec constants for ``"auto"`` instead of the setup probe (a ``CostModel`` or a dict).
         state: ``"replicated"`` or ``"node_sharded"`` (one copy of the weights per node, the rest owned in shares).
@@ -78,7 +82,8 @@ class HorizonStrategy(DDPStrategy):
         timeout: Union[float, timedelta] = DEFAULT_TIMEOUT_S, process_group_backend: Optional[str] = None,
         pin_cores: bool = True, threads_per_rank: Optional[int] = None,
         sharding: Union[None, str, ShardingConfig] = None, collectives: str = "flat", compression: Optional[str] = None,
-        sync_every: int = 1, sync_warmup_steps: int = 0, torus_shape: Optional[tuple[int, int]] = None,
+        sync_every: int = 1, sync_warmup_steps: int = 0, outer: str = "average", outer_lr: float = 0.7,
+        outer_momentum: float = 0.9, sync_overlap: bool = False, torus_shape: Optional[tuple[int, int]] = None,
         cost_model: Optional[Any] = None, state: str = "replicated", node_weights: str = "shared",
         state_checkpoint: str = "full", shard_group_nodes: Union[str, int] = "auto",
         state_store: Union[None, str, os.PathLike, StoreConfig] = None,

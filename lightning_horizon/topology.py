@@ -119,6 +119,7 @@ class ProcessGroups:
         self.topology = topology
         self._grids: dict[int, Grid] = {}
         self._shard_groups: dict[int, ShardGroup] = {}
+        self._spare_inter: Optional[dist.ProcessGroup] = None
         node = self.grid(topology.ranks_per_node)
         self.intra, self.inter = node.row, node.col
         self.intra_ranks, self.inter_ranks = node.row_ranks, node.col_ranks
@@ -147,6 +148,18 @@ class ProcessGroups:
                         g.col = pg
             self._grids[cols] = g
         return self._grids[cols]
+
+    def spare_inter(self) -> Optional[dist.ProcessGroup]:
+        """A second group of this rank's inter-node ranks (``inter_ranks``), for a collective kept in flight beside
+        the step's own (two threads must not issue on one gloo group: each rank would order them differently).
+        Created collectively on first request, then cached; ``None`` on one node or without a process group."""
+        t = self.topology
+        if self._spare_inter is None and dist.is_available() and dist.is_initialized() and t.num_nodes > 1:
+            for local in range(t.ranks_per_node):  # collective: every rank creates every group, same order
+                pg = dist.new_group(t.cross_ranks(local))
+                if local == t.local_rank:
+                    self._spare_inter = pg
+        return self._spare_inter
 
     def shard_group(self, nodes: int) -> ShardGroup:
         """The groups of a shard group of ``nodes`` nodes (created collectively on first request, then cached)."""

@@ -6,12 +6,17 @@ calls :func:`join_cgroup` first thing, before it imports torch, so that everythi
 starts from it) allocates is charged there. The driver reads the cgroup's figures (:func:`cgroup_stats`) once the
 worker is gone and removes the folder (:func:`remove_cgroup`).
 
+Emulated nodes (:class:`Namespaces`): as root, two network namespaces joined by a veth pair, optionally capped by
+tc's tbf (:func:`default_burst`), which bench_collectives.py and bench_sync.py run their nodes in.
+
 Nothing here imports torch or Lightning at module level: a worker imports this before it joins its cgroup.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import subprocess
 import sys
 import time
 import uuid
@@ -202,5 +207,66 @@ def parse_common(p: "argparse.ArgumentParser", argv: Optional[list[str]], smoke:
     return a
 
 
-__all__ = ["CGROUP_ENV", "Cgroup", "cgroup_stats", "cpu_line", "cpu_model", "join_cgroup", "new_cgroup",
-           "parse_common", "parse_size", "probe_cgroup", "remove_cgroup", "run_cgroup"]
+
+
+# ---------------------------------------------------------------------- emulated nodes (root)
+
+
+def _sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, check=check, capture_output=True, text=True)
+
+
+class Namespaces:
+    """Two network namespaces (one per emulated node) joined by a veth pair; deleted on exit."""
+
+    def __init__(self) -> None:
+        tag = f"{os.getpid() % 100000}"
+        self.ns = [f"hzb{tag}n0", f"hzb{tag}n1"]
+        self.dev = [f"hzb{tag}v0", f"hzb{tag}v1"]
+        self.addr = ["10.231.7.1", "10.231.7.2"]
+
+    def __enter__(self) -> "Namespaces":
+        try:
+            for ns in self.ns:
+                _sh("ip", "netns", "add", ns)
+                _sh("ip", "-n", ns, "link", "set", "lo", "up")
+            _sh("ip", "link", "add", self.dev[0], "netns", self.ns[0], "type", "veth", "peer", "name", self.dev[1],
+                "netns", self.ns[1])
+            for ns, dev, addr in zip(self.ns, self.dev, self.addr):
+                _sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+                _sh("ip", "-n", ns, "link", "set", dev, "up")
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def shape(self, rate: str, burst: str) -> bool:
+        """A tbf rate limit on both ends of the veth; False when the kernel refuses it."""
+        for ns, dev in zip(self.ns, self.dev):
+            r = _sh("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate,
+                    "burst", burst, "latency", "100ms", check=False)
+            if r.returncode:
+                print(f"tbf refused on {dev}: {r.stderr.strip()}")
+                return False
+        return True
+
+    def __exit__(self, *exc) -> None:
+        for ns in self.ns:
+            _sh("ip", "netns", "del", ns, check=False)  # deleting a namespace deletes its end of the veth
+
+    def command(self, node: int) -> tuple[list[str], dict[str, str]]:
+        """The command prefix and environment that run a process of emulated node ``node`` (0 or 1)."""
+        env = {"GLOO_SOCKET_IFNAME": self.dev[node], "MASTER_ADDR": self.addr[0]}
+        return ["ip", "netns", "exec", self.ns[node]], env
+
+
+def default_burst(rate: str) -> str:
+    """2 ms of ``rate`` (tc's units: "1gbit", "100mbit"), at least 64 KB, which tbf needs to hold the rate at a
+    timer tick of a few ms: 250kb at 1 Gbit/s, 64kb at 100 Mbit/s."""
+    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bit": 1}
+    number, unit = re.fullmatch(r"([0-9.]+)([a-z]+)", rate.lower()).groups()
+    return f"{max(64, round(float(number) * units[unit] / 8 * 2e-3 / 1000))}kb"
+
+
+__all__ = ["CGROUP_ENV", "Cgroup", "Namespaces", "cgroup_stats", "cpu_line", "cpu_model", "default_burst",
+           "join_cgroup", "new_cgroup", "parse_common", "parse_size", "probe_cgroup", "remove_cgroup", "run_cgroup"]

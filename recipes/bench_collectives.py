@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import signal
 import statistics
@@ -35,6 +34,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from _bench import Namespaces, default_burst  # noqa: E402  (recipes/ is on sys.path when run as a script)
 from lightning_horizon.collectives import CollectivesConfig, CostModel, GradientSync, Link
 from lightning_horizon.collectives.cost_model import BucketPlanner
 from lightning_horizon.collectives.layout import Piece
@@ -123,60 +123,12 @@ def worker(rank: int, args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------- driver
 
 
-def _sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, check=check, capture_output=True, text=True)
-
-
-class Namespaces:
-    """Two network namespaces (one per emulated node) joined by a veth pair; deleted on exit."""
-
-    def __init__(self) -> None:
-        tag = f"{os.getpid() % 100000}"
-        self.ns = [f"hzb{tag}n0", f"hzb{tag}n1"]
-        self.dev = [f"hzb{tag}v0", f"hzb{tag}v1"]
-        self.addr = ["10.231.7.1", "10.231.7.2"]
-
-    def __enter__(self) -> "Namespaces":
-        try:
-            for ns in self.ns:
-                _sh("ip", "netns", "add", ns)
-                _sh("ip", "-n", ns, "link", "set", "lo", "up")
-            _sh("ip", "link", "add", self.dev[0], "netns", self.ns[0], "type", "veth", "peer", "name", self.dev[1],
-                "netns", self.ns[1])
-            for ns, dev, addr in zip(self.ns, self.dev, self.addr):
-                _sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
-                _sh("ip", "-n", ns, "link", "set", dev, "up")
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def shape(self, rate: str, burst: str) -> bool:
-        """A tbf rate limit on both ends of the veth; False when the kernel refuses it."""
-        for ns, dev in zip(self.ns, self.dev):
-            r = _sh("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate,
-                    "burst", burst, "latency", "100ms", check=False)
-            if r.returncode:
-                print(f"tbf refused on {dev}: {r.stderr.strip()}")
-                return False
-        return True
-
-    def __exit__(self, *exc) -> None:
-        for ns in self.ns:
-            _sh("ip", "netns", "del", ns, check=False)  # deleting a namespace deletes its end of the veth
-
-    def command(self, rank: int) -> tuple[list[str], dict[str, str]]:
-        node = rank // PER_NODE
-        env = {"GLOO_SOCKET_IFNAME": self.dev[node], "MASTER_ADDR": self.addr[0]}
-        return ["ip", "netns", "exec", self.ns[node]], env
-
-
 def launch(args: argparse.Namespace, ns: Namespaces | None, out: str) -> dict:
     procs = []
     port = str(29000 + os.getpid() % 1000)
     try:
         for rank in range(WORLD):
-            prefix, extra = ns.command(rank) if ns else ([], {"MASTER_ADDR": "127.0.0.1"})
+            prefix, extra = ns.command(rank // PER_NODE) if ns else ([], {"MASTER_ADDR": "127.0.0.1"})
             env = {**os.environ, "MASTER_PORT": port, "OMP_NUM_THREADS": "1", **extra}
             cmd = [*prefix, sys.executable, __file__, "--worker", str(rank), "--out", out,
                    "--sizes", ",".join(map(str, args.sizes)), "--reps", str(args.reps), "--chunk-mb", str(args.chunk_mb)]
@@ -298,14 +250,6 @@ def codec_table(sizes: list[float], reps: int) -> None:
             else:
                 row.append(f"{encode:6.2f} / {decode:6.2f} / {alone:6.2f}")
         print(f"  {mib:>3g}  " + "   ".join(row))
-
-
-def default_burst(rate: str) -> str:
-    """2 ms of ``rate`` (tc's units: "1gbit", "100mbit"), at least 64 KB, which tbf needs to hold the rate at a
-    timer tick of a few ms: 250kb at 1 Gbit/s, 64kb at 100 Mbit/s."""
-    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bit": 1}
-    number, unit = re.fullmatch(r"([0-9.]+)([a-z]+)", rate.lower()).groups()
-    return f"{max(64, round(float(number) * units[unit] / 8 * 2e-3 / 1000))}kb"
 
 
 def _timed(fn) -> float:

@@ -496,7 +496,7 @@ DDP_CHECKS = (
     + [f"{kind}_odd_hierarchical_int8" for kind in ("error_feedback", "bitwise", "accounting")]
     + ["auto_choices_odd", "trajectory_hierarchical", "trajectory_torus2d"]
     + ["compressed_training_hierarchical_int8", "compressed_training_flat_bf16"]
-    + ["local_sgd_schedule", "local_sgd_mean", "local_sgd_state"]
+    + ["local_sgd_schedule", "local_sgd_mean", "local_sgd_state", "outer_nesterov", "outer_overlap"]
     + [f"bf16_sum_{v}" for v in ("flat", "hierarchical", "torus2d", "local_sgd")]
     + [f"nonfinite_{v}" for v in ("flat_int8", "hierarchical_int8", "torus2d_bf16")]
 )

@@ -41,6 +41,12 @@ FIXED = [
      "save_after": True, "model": {**simplest()["model"], "tied": True}, "precision": "32-true", "sharding": "auto"},
     {**simplest(2, seed=22), **_W2, "sync_every": 3, "optimizer": {"name": "Adamax", "kwargs": {"lr": 2e-2}},
      "resume": {"from": "during", "layout": "same"}},
+    # int8 under 64-true: the C kernel's buffers in fp32 whatever the default dtype (float64 here: it raised)
+    {**simplest(2, seed=27), **_W2, "compression": "int8", "optimization": "manual"},
+    # DiLoCo's outer step, overlapped: the checkpoint at step 2 holds the exchange of the sync at step 2
+    {**simplest(2, seed=26), **_W2, "sync_every": 2, "outer": "nesterov", "overlap": True, "steps": 4,
+     "optimizer": {"name": "AdamW", "kwargs": {"lr": 1e-2, "weight_decay": 0.1}},
+     "resume": {"from": "during", "layout": "same"}},
     # the same example but for the collectives and the codec: one Lightning "ddp" fit is the reference of both
     {**simplest(4, seed=23), **_W4, "collectives": "torus2d", "torus_shape": [1, 4], "compression": "bf16"},
     {**simplest(4, seed=23), **_W4, "collectives": "hierarchical", "compression": "int8"},

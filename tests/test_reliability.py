@@ -189,6 +189,10 @@ SCENARIOS = {
     "int8": (2, 1, 64, [1, 4], _FULL, {"5": "nan", "40": "inf"}),
     # local SGD on 2 nodes x 1 (averages after steps 4, 6, 8, ...), resumed at step 7: the nodes differ then
     "local_sgd": (2, 1, 112, [0, 7], {**_FULL, "compression": None, "sync_every": 2, "sync_warmup_steps": 2}, {}),
+    # DiLoCo's outer step with the exchange overlapped: the checkpoint after step 6 holds an exchange in flight
+    # (sent at step 6, applied at step 8)
+    "diloco": (2, 1, 112, [0, 7], {**_FULL, "compression": None, "sync_every": 2, "sync_warmup_steps": 2,
+                                   "outer": "nesterov", "sync_overlap": True}, {}),
     # int8 on 2 nodes x 2, resumed at step 1: before DDP ever used its rebuilt buckets
     "int8_4": (4, 2, 32, [2, 1], _FULL, [[1, 3, "nan"], [2, 6, "inf"]]),
 }
@@ -210,7 +214,7 @@ def restarts(tmp_path_factory):
     worlds = [{"tag": f"{name}_crash", "devices": SCENARIOS[name][0], "runs": [_run(name, work, "crash")]}
               for name in SCENARIOS]
     worlds.append({"tag": "two", "devices": 2,
-                   "runs": [_run(n, work, k) for n in ("int8", "local_sgd") for k in ("resumed", "whole")]})
+                   "runs": [_run(n, work, k) for n in ("int8", "local_sgd", "diloco") for k in ("resumed", "whole")]})
     worlds.append({"tag": "four", "devices": 4, "runs": [_run("int8_4", work, k) for k in ("resumed", "whole")]})
     cfg = work / "worlds.json"
     cfg.write_text(json.dumps({"worlds": worlds}))
@@ -247,8 +251,8 @@ def test_crashed_run_resumes_bit_identically(restarts, name):
         assert len({row["weights"] for row in resumed["rows"]}) >= 4  # the resumed steps did train
         assert whole["cuts"] == 0 and resumed["cuts"] >= 1  # the restart's first step used the saved layout
         finals.append(w)
-    if name == "local_sgd":  # the nodes really differed at the checkpoint: each resumed its own state
-        rows = [{r["step"]: r["weights"] for r in result("local_sgd_whole", rank)[0]["rows"]} for rank in (0, 1)]
+    if name in ("local_sgd", "diloco"):  # the nodes really differed at the checkpoint: each resumed its own state
+        rows = [{r["step"]: r["weights"] for r in result(f"{name}_whole", rank)[0]["rows"]} for rank in (0, 1)]
         assert rows[0][step] != rows[1][step]
     else:  # replicas stay bitwise equal across ranks
         assert all(torch.equal(finals[0][k], f[k]) for f in finals[1:] for k in f)

@@ -11,10 +11,12 @@ from dataclasses import dataclass, fields
 from typing import Any, Optional
 
 from lightning_horizon.checks import check_int, check_one_of, is_int, is_number, require
+from lightning_horizon.collectives.outer import OUTERS
 
 _OWNER = "HorizonStrategy"  # the strategy's arguments of the same names reach this config
 
 ALGORITHMS = ("flat", "hierarchical", "torus2d", "auto")
+OUTER_OPTIONS = ("outer", "outer_lr", "outer_momentum", "sync_overlap")  # the periodic sync's, sync_every > 1 only
 COMPRESSIONS = (None, "bf16", "int8")
 
 
@@ -41,6 +43,21 @@ class CollectivesConfig:
     sync_warmup_steps: int = 0
     """With ``sync_every > 1``: the first optimizer steps that still reduce gradients across the world
     (post-local SGD warm-up). Counted in the checkpoint, so a resume does not start the warm-up again."""
+
+    outer: str = "average"
+    """With ``sync_every > 1``, what a sync does with the nodes' weights. ``"average"``: their average (local SGD).
+    ``"nesterov"``: DiLoCo's outer step, SGD with Nesterov momentum on the average change of the period, from the
+    weights of the last sync (``outer_lr``, ``outer_momentum``)."""
+
+    outer_lr: float = 0.7
+    """With ``outer="nesterov"``: the outer learning rate (DiLoCo's 0.7)."""
+
+    outer_momentum: float = 0.9
+    """With ``outer="nesterov"``: the outer momentum (DiLoCo's 0.9), in [0, 1)."""
+
+    sync_overlap: bool = False
+    """With ``sync_every > 1``: the cross-node exchange runs behind the next period's steps instead of blocking,
+    and its outer update is applied one period late, on top of what each node trained meanwhile."""
 
     torus_shape: Optional[tuple[int, int]] = None
     """``(X, Y)`` for ``torus2d``: X ranks per row (consecutive ranks), Y rows, X * Y = world size. ``None``:
@@ -72,6 +89,16 @@ class CollectivesConfig:
         check_int("CollectivesConfig", "int8_block", self.int8_block, 1)
         require(is_number(self.pipeline_chunk_mb, 0), "CollectivesConfig", "pipeline_chunk_mb", self.pipeline_chunk_mb,
                 "a finite number > 0 (MiB)")
+        check_one_of(_OWNER, "outer", self.outer, OUTERS)
+        require(is_number(self.outer_lr, 0), _OWNER, "outer_lr", self.outer_lr, "a finite number > 0")
+        require(is_number(self.outer_momentum, 0, 1, include_low=True), _OWNER, "outer_momentum",
+                self.outer_momentum, "a number in [0, 1)")
+        require(isinstance(self.sync_overlap, bool), _OWNER, "sync_overlap", self.sync_overlap, "True or False")
+        outer = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.name in OUTER_OPTIONS
+                 and getattr(self, f.name) != f.default]
+        if outer and self.sync_every == 1:
+            raise ValueError(f"{', '.join(outer)} with sync_every=1: options of the periodic cross-node sync; allowed"
+                             " with sync_every > 1 (e.g. sync_every=4)")
         if self.sync_every > 1 and self.compression is not None:
             raise ValueError(
                 f"compression={self.compression!r} with sync_every={self.sync_every}: compression applies to the"

@@ -1,4 +1,5 @@
-"""Hierarchical local SGD: gradients reduced inside the node every step, parameters averaged across nodes every k.
+"""Hierarchical local SGD: gradients reduced inside the node every step, parameters averaged across nodes every k
+(or stepped by DiLoCo's outer optimizer, the exchange overlapped with the next period: outer.py).
 
 Past 16 nodes the inter-node allreduce of every step dominates; reducing inside the node only, and averaging the
 parameters across nodes every ``k`` optimizer steps, divides the inter-node traffic by about ``k`` (post-local
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 
 from lightning_horizon.collectives.comm import Comm
 from lightning_horizon.collectives.chunks import round_up
+from lightning_horizon.collectives.outer import OuterSync
 from lightning_horizon.state import TrainingState
 
 
@@ -35,6 +37,7 @@ class PeriodicSync:
         row: Comm,
         col: Comm,
         state: TrainingState,
+        outer: Optional[OuterSync] = None,
     ) -> None:
         self.every, self.warmup_steps = every, warmup_steps
         self.params = params
@@ -47,6 +50,8 @@ class PeriodicSync:
         #: parameter averages done so far
         self.syncs = 0
         self._reduced = False
+        #: DiLoCo's outer step instead of the plain average (``outer="nesterov"`` or ``sync_overlap=True``)
+        self.outer = outer
 
     @property
     def global_gradients(self) -> bool:
@@ -54,8 +59,12 @@ class PeriodicSync:
         return self.step < self.warmup_steps
 
     def gradients_reduced(self) -> None:
-        """Called by the hook: the coming optimizer step follows a reduction (not an accumulation micro-step)."""
+        """Called by the hook: the coming optimizer step follows a reduction (not an accumulation micro-step). The
+        first local step's reduction, before its optimizer step, is where the outer step's anchor is taken: every
+        node holds the same weights there (the initial ones, or the warm-up's)."""
         self._reduced = True
+        if self.outer is not None and self.outer.anchor is None and self.step == self.warmup_steps:
+            self.outer.start()
 
     def after_optimizer_step(self) -> bool:
         """Count the step; average the parameters across nodes when the period ends. True when it averaged."""
@@ -72,7 +81,10 @@ class PeriodicSync:
         self.syncs += 1
         if self.col.size == 1:
             return  # one node: nothing to average
-        self.state.average(self.params, self._allreduce_mean)
+        if self.outer is not None:
+            self.outer.step()
+        else:
+            self.state.average(self.params, self._allreduce_mean)
 
     def _allreduce_mean(self, flat: torch.Tensor) -> None:
         """Average ``flat`` across nodes in place: each local rank averages its 1/L slice, the node gathers them."""
@@ -86,10 +98,15 @@ class PeriodicSync:
         flat.copy_(padded[:n])
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "syncs": self.syncs}
+        out: dict = {"step": self.step, "syncs": self.syncs}
+        if self.outer is not None:
+            out["outer"] = self.outer.state_dict()
+        return out
 
     def load_state_dict(self, state: dict) -> None:
         self.step, self.syncs = int(state["step"]), int(state["syncs"])
+        if self.outer is not None and state.get("outer") is not None:
+            self.outer.load_state_dict(state["outer"])
 
 
 # ---------------------------------------------------------------------- checkpoints between averages

@@ -29,6 +29,7 @@ from lightning_horizon.collectives.config import CollectivesConfig
 from lightning_horizon.collectives.cost_model import BucketPlanner
 from lightning_horizon.collectives.layout import BucketLayout
 from lightning_horizon.collectives.local_sgd import PeriodicSync
+from lightning_horizon.collectives.outer import OuterSync
 from lightning_horizon.collectives.probe import probe
 from lightning_horizon.parts import GRADIENTS, Part
 from lightning_horizon.state import TrainingState
@@ -72,9 +73,14 @@ class GradientSync(Part):
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.codec = Codec(config.compression, config.int8_block) if config.compression else None
         self.error_feedback = ErrorFeedback(named) if self.codec else None
+        outer = None
+        if config.sync_every > 1 and (config.outer != "average" or config.sync_overlap):
+            # its own inter-node group: with overlap the exchange is in flight while the steps reduce theirs
+            outer = OuterSync(config.outer, config.outer_lr, config.outer_momentum, config.sync_overlap,
+                              [p for _, p in named], self.intra, comm(groups.spare_inter(), groups.inter_ranks), state)
         self.periodic = (
             PeriodicSync(config.sync_every, config.sync_warmup_steps, [p for _, p in named], self.intra, self.inter,
-                         state)
+                         state, outer)
             if config.sync_every > 1
             else None
         )
@@ -105,6 +111,9 @@ class GradientSync(Part):
             + f", compression {config.compression}"
             + (f" ({'C kernel' if self.codec.native else 'torch ops'})" if self.codec else "")
             + f", sync_every {config.sync_every}"
+            + (f", outer {config.outer}" + (f" (lr {config.outer_lr}, momentum {config.outer_momentum})"
+                                            if config.outer == "nesterov" else "")
+               + f", overlap {config.sync_overlap}" if outer is not None else "")
         )
 
     # ------------------------------------------------------------------ the hook
@@ -218,7 +227,13 @@ class GradientSync(Part):
         out = self.accounting.metrics()
         if self.periodic is not None:
             out["comm/param_syncs"] = float(self.periodic.syncs)
+            if self.periodic.outer is not None:  # what the last outer step waited for its exchange (not hidden)
+                out["comm/outer_wait_s"] = self.periodic.outer.waited
         return out
+
+    def teardown(self) -> None:
+        if self.periodic is not None and self.periodic.outer is not None:
+            self.periodic.outer.drain()  # no collective left in flight when the fit ends
 
     def scale_error_feedback(self, params: list[torch.Tensor], factor: float) -> None:
         """The step's reduced gradients of ``params`` were clipped by ``factor``: scale their compression residuals

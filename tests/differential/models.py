@@ -243,13 +243,24 @@ class RefClip(L.Callback):
 
 
 class NodeAverage(L.Callback):
-    """The reference's local SGD average: after every ``every``-th batch that stepped the optimizers, each parameter
-    becomes the mean over the world, which is the mean of the nodes' (a node's ranks hold the same weights)."""
+    """The reference's local SGD: after every ``every``-th batch that stepped the optimizers, each parameter becomes
+    the mean over the world, which is the mean of the nodes' (a node's ranks hold the same weights). With
+    ``outer="nesterov"`` or ``overlap``, DiLoCo's outer step written out per parameter (docs/collectives.md): the
+    anchor (the weights at the start) steps by the mean delta ``anchor - weights`` (Nesterov: ``v = 0.9 v + d``,
+    ``anchor -= 0.7 (d + 0.9 v)``; average: ``anchor -= d``) and the weights become the anchor; overlapped, the
+    mean delta of one sync is applied at the next, and the weights become the anchor plus the steps since."""
 
-    def __init__(self, every: int) -> None:
-        self.every = every
+    def __init__(self, every: int, outer: str = "average", overlap: bool = False) -> None:
+        self.every, self.outer, self.overlap = every, outer, overlap
         self.stepped = 0
         self._last_step = 0
+        self.anchor: dict = {}
+        self.velocity: dict = {}
+        self.snapshot: dict = {}
+        self.pending: dict = {}
+
+    def on_train_start(self, trainer, pl_module):
+        self.anchor = {p: p.detach().clone() for p in pl_module.parameters() if p.requires_grad}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step == self._last_step:
@@ -259,11 +270,35 @@ class NodeAverage(L.Callback):
         if self.stepped % self.every:
             return
         world = torch.distributed.get_world_size()
+
+        def mean(t: torch.Tensor) -> torch.Tensor:
+            torch.distributed.all_reduce(t)
+            return t.div_(world)
+
         with torch.no_grad():
             for p in pl_module.parameters():
-                if p.requires_grad:
-                    torch.distributed.all_reduce(p.data)
-                    p.data.div_(world)
+                if not p.requires_grad:
+                    continue
+                if self.outer == "average" and not self.overlap:
+                    mean(p.data)
+                    continue
+                a = self.anchor[p]
+                if not self.overlap:
+                    self._outer_step(p, mean(a - p))
+                    p.copy_(a)
+                    continue
+                if p in self.pending:
+                    self._outer_step(p, self.pending[p])
+                    p.copy_(a + (p - self.snapshot[p]))
+                self.snapshot[p] = p.detach().clone()
+                self.pending[p] = mean(a - p)
+
+    def _outer_step(self, p: torch.Tensor, d: torch.Tensor) -> None:
+        if self.outer == "average":
+            self.anchor[p].sub_(d)
+            return
+        v = self.velocity[p] = 0.9 * self.velocity.get(p, torch.zeros_like(d)) + d
+        self.anchor[p].sub_(0.7 * (d + 0.9 * v))
 
 
 def subject_class(ex: dict) -> type:

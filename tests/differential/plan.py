@@ -39,7 +39,7 @@ def relayout(ex: dict, layout: str) -> dict:
     ex = copy.deepcopy(ex)
     if layout == "world1":
         ex.update(world=1, rpn=1, state="replicated", collectives="flat", torus_shape=None, cost_model=None,
-                  compression=None, sync_every=1, shard_nodes=1)
+                  compression=None, sync_every=1, shard_nodes=1, outer="average", overlap=False)
     elif layout == "replicated":
         ex.update(state="replicated", shard_nodes=1)
     elif layout == "ram":

@@ -112,6 +112,8 @@ def coverage(examples: list[dict]) -> dict[str, collections.Counter]:
                                               else "") + (f" ({ex['cost_model']})" if ex["cost_model"] else "")] += 1
         c["compression"][str(ex["compression"])] += 1
         c["sync_every"][ex["sync_every"]] += 1
+        if ex["sync_every"] > 1:
+            c["outer"][f"{ex['outer']}{' overlapped' if ex['overlap'] else ''}"] += 1
         c["backoff"][str(ex["backoff"]["max_norm"]) if ex["backoff"] else "-"] += 1
         c["precision"][ex["precision"]] += 1
     return c

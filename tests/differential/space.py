@@ -126,6 +126,9 @@ def draw(seed: int, world: int) -> dict:
     ex["sync_every"] = _pick(rng, {1: 3, 2: 2, 3: 1}) if nodes == 2 else 1
     # node_sharded's shard group: the nodes that hold one copy of the state together (a divisor of the nodes)
     ex["shard_nodes"] = rng.choice([d for d in range(1, nodes + 1) if nodes % d == 0])
+    # local SGD's sync: the plain average or DiLoCo's Nesterov outer step, blocking or overlapped with the next period
+    ex["outer"] = rng.choice(("average", "nesterov"))
+    ex["overlap"] = coin(0.5)
     ex = constrain(ex)
     if refusal(ex) is not None and not keep_refused:
         ex = unrefuse(ex)
@@ -141,7 +144,7 @@ def simplest(world: int = 1, seed: int = 0) -> dict:
             "ckpt_during": False, "save_after": False, "resume": None, "eval": None, "state": "replicated",
             "store": None, "sharding": None, "collectives": "flat", "bucket_mb": 1.0, "backoff": None,
             "precision": "64-true", "steps": 2, "torus_shape": None, "cost_model": None, "compression": None,
-            "sync_every": 1, "shard_nodes": 1}
+            "sync_every": 1, "shard_nodes": 1, "outer": "average", "overlap": False}
 
 
 def refused_examples() -> list[dict]:
@@ -286,6 +289,8 @@ def constrain(ex: dict) -> dict:
     if resumed_against_ddp(ex):
         # "ddp" does not restore the RNG states on resume (strategy.md), HorizonStrategy does: dropout masks differ
         m["dropout"] = False
+    if ex["sync_every"] == 1:
+        ex["outer"], ex["overlap"] = "average", False  # options of the periodic sync
     return ex
 
 
@@ -498,7 +503,8 @@ def summary(ex: dict) -> str:
     if ex["compression"]:
         parts.append(f"compress-{ex['compression']}")
     if ex["sync_every"] > 1:
-        parts.append(f"sync_every={ex['sync_every']}")
+        parts.append(f"sync_every={ex['sync_every']}" + ("-nesterov" if ex["outer"] == "nesterov" else "")
+                     + ("-overlap" if ex["overlap"] else ""))
     if ex["backoff"]:
         parts.append(f"backoff={ex['backoff']['max_norm']}")
     parts += [ex["precision"], f"{ex['steps']}steps"]

@@ -295,6 +295,69 @@ def check_local_sgd(checks: dict, groups: ProcessGroups) -> None:
     )
 
 
+def check_outer(checks: dict, groups: ProcessGroups) -> None:
+    """DiLoCo's outer step (sync_every=4 after 3 warm-up steps, Nesterov lr 0.7 momentum 0.9), blocking and
+    overlapped, against the algorithm written out in float64 on the nodes' weights just before each sync: the anchor
+    taken where local training begins (after the warm-up), at every sync the nodes' average delta (anchor - weights)
+    stepping the anchor; blocking, every rank continues from the new anchor; overlapped, the exchange sent at one
+    sync is applied at the next, on top of what each node trained since. Ranks of a node stay bitwise equal, a
+    checkpoint mid-period (the exchange in flight) holds the slices and the arrived sum."""
+    lr, mu = 0.7, 0.9
+    for overlap in (False, True):
+        model = equal_model()
+        ddp, sync = wrap(model, groups, EQUAL_BUCKET_MB, algorithm="hierarchical", sync_every=4, sync_warmup_steps=3,
+                         outer="nesterov", sync_overlap=overlap)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        anchor = velocity = None
+        snapshot, sent = {}, None
+        within, errors, saved, moved = [], {}, None, {}
+        out = all_ranks(flat_weights(model))
+        for it in range(15):
+            step = it + 1
+            if step == 4:  # the first local step: the anchor is the warm-up's weights, the same on every rank
+                anchor, velocity = out[0].double(), torch.zeros_like(out[0], dtype=torch.float64)
+            x, y = batch(it, dist.get_rank())
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(ddp(x), y).backward()
+            opt.step()
+            before = all_ranks(flat_weights(model))
+            sync.after_optimizer_step()
+            out = all_ranks(flat_weights(model))
+            within.append(torch.equal(out[0], out[1]) and torch.equal(out[2], out[3]))
+            if step > 3 and (step - 3) % 4 == 0:
+                nodes = {n: before[2 * n].double() for n in (0, 1)}
+                expect = dict(nodes)
+                if not overlap or sent is not None:
+                    mean = (anchor - (nodes[0] + nodes[1]) / 2) if not overlap else (sent[0] + sent[1]) / 2
+                    velocity = mu * velocity + mean
+                    anchor = anchor - lr * (mean + mu * velocity)
+                    expect = {n: anchor if not overlap else anchor + (nodes[n] - snapshot[n]) for n in (0, 1)}
+                if overlap:
+                    snapshot = dict(expect)
+                    sent = {n: anchor - expect[n] for n in (0, 1)}
+                scale = max(float(v.abs().max()) for v in expect.values())
+                errors[step] = max(float((out[2 * n].double() - expect[n]).abs().max()) / scale for n in (0, 1))
+                moved[step] = float((out[0].double() - nodes[0]).abs().max())
+            if step == 9:
+                saved = sync.state_dict()
+        tag = "outer_overlap" if overlap else "outer_nesterov"
+        fresh = GradientSync(CollectivesConfig("hierarchical", sync_every=4, sync_warmup_steps=3, outer="nesterov",
+                                               sync_overlap=overlap), groups, equal_model(), TrainingState())
+        fresh.load_state_dict(saved)
+        o = saved["periodic"]["outer"]
+        state_ok = (saved["periodic"]["step"] == 9 and fresh.periodic.outer.anchor is o["anchor"]
+                    and (o["sent"] is not None) == overlap and (o["snapshot"] is not None) == overlap
+                    and o["anchor"].numel() == flat_weights(model).numel() // PER_NODE)
+        # the first overlapped sync sends only: the weights stay; every other sync moves them
+        first_stays = moved[7] == 0.0 if overlap else moved[7] > 0
+        checks[tag] = result(
+            all(within) and list(errors) == [7, 11, 15] and all(e <= 1e-6 for e in errors.values()) and first_stays
+            and all(moved[s] > 0 for s in (11, 15)) and state_ok,
+            f"within-node equal {within}; max |w - float64 reference| / max |reference| at the syncs {errors} (allowed"
+            f" 1e-6); largest move at each sync {moved}; checkpoint at step 9 {state_ok}",
+        )
+
+
 class Values(torch.nn.Module):
     """Three bf16 parameters whose gradients are the input: the gradient of ``sum(p * c)`` is ``c``."""
 
@@ -428,7 +491,8 @@ def main(out_path: str) -> None:
         check_training(checks, groups)
         clock("training")
         check_local_sgd(checks, groups)
-        clock("local SGD")
+        check_outer(checks, groups)
+        clock("local SGD, outer steps")
         check_bf16_sum(checks, groups)
         check_nonfinite(checks, groups)
         clock("bf16 sums, non-finite steps")

@@ -119,6 +119,8 @@ def strategy_of(spec: dict) -> Any:
                     "sharding": sharding_of({"sharding": ex["sharding"]})}
     if ex["state"] == "node_sharded":
         kwargs["shard_group_nodes"] = ex["shard_nodes"]
+    if ex["sync_every"] > 1:
+        kwargs.update(outer=ex["outer"], sync_overlap=ex["overlap"])
     if ex["torus_shape"] is not None:
         kwargs["torus_shape"] = tuple(ex["torus_shape"])
     if ex["cost_model"] is not None:
@@ -156,7 +158,7 @@ def fit(spec: dict, out: Path, seen: dict) -> dict:
     elif backoff is not None and backoff["max_norm"] is not None:
         callbacks.append(RefClip(backoff["max_norm"]))
     if spec["engine"] == "ddp" and ex["sync_every"] > 1:
-        callbacks.append(NodeAverage(ex["sync_every"]))
+        callbacks.append(NodeAverage(ex["sync_every"], ex["outer"], ex["overlap"]))
     if spec["engine"] == "horizon" and ex["sharding"] == "forced":
         callbacks.append(Squeeze())
     clip = ex["clip"] if ex["clip"] and ex["clip"]["where"] == "trainer" else None

@@ -28,7 +28,7 @@ import torch
 from lightning_horizon import HorizonStrategy
 from lightning_horizon.collectives import CollectivesConfig, CostModel, Link
 from lightning_horizon.collectives.compression import Codec, ErrorFeedback
-from lightning_horizon.collectives.cost_model import BucketPlanner
+from lightning_horizon.collectives.cost_model import BucketPlanner, sync_efficiency
 from lightning_horizon.collectives.layout import Piece
 from tests.launch import assert_exited, run_worlds
 
@@ -51,12 +51,37 @@ pytestmark = pytest.mark.timeout(600)  # both worlds run in the first multi-proc
         ({"compression": "int8", "sync_every": 2}, "compression='int8'", "allowed is compression=None"),
         ({"algorithm": "auto", "cost_model": {"intra": 1}}, "cost_model=", "allowed is a CostModel"),
         ({"int8_block": 0}, "int8_block=0", "allowed is an int >= 1"),
+        ({"sync_every": 2, "outer": "adam"}, "outer='adam'", "allowed is one of ('average', 'nesterov')"),
+        ({"sync_every": 2, "outer_lr": -1}, "outer_lr=-1", "allowed is a finite number > 0"),
+        ({"sync_every": 2, "outer_momentum": 1.0}, "outer_momentum=1.0", "allowed is a number in [0, 1)"),
+        ({"sync_every": 2, "sync_overlap": "yes"}, "sync_overlap='yes'", "allowed is True, False or 'auto'"),
+        ({"outer": "nesterov", "sync_overlap": True}, "outer='nesterov', sync_overlap=True with sync_every=1",
+         "allowed with sync_every > 1"),
     ],
 )
 def test_bad_config_names_parameter_value_and_allowed(kwargs, name, allowed):
     with pytest.raises(ValueError) as err:
         CollectivesConfig(**kwargs)
     assert name in str(err.value) and allowed in str(err.value)
+
+
+def test_sync_modes_on_paper():
+    """The scaling efficiency of the sync modes (cost_model.sync_efficiency) is its stated formula on the model's own
+    times, and orders the modes: hiding the exchange beats waiting for it every H steps, which beats every step."""
+    model = CostModel(intra=Link(2e-6, 1 / 20e9), inter=Link(15e-6, 1 / 3.125e9))
+    n = 124_000_000
+    for nodes in (8, 64, 256):
+        t = model.predict("hierarchical", n, nodes, 8).time
+        a = model.predict("hierarchical", n, 1, 8).time
+        for c, h in ((0.05, 4), (0.5, 2), (2.0, 4)):
+            e = sync_efficiency(model, n, nodes, 8, c, h)
+            assert e["exchange_s"] == t and e["sync"] == pytest.approx(c / (c + t))
+            assert e["local_sgd"] == pytest.approx(h * c / (h * c + t + a))
+            assert e["overlapped"] == pytest.approx(h * c / (h * c + a + max(0.0, t - h * c)))
+            assert e["overlapped"] >= e["local_sgd"] and (h * c < a or e["local_sgd"] >= e["sync"])
+    free = CostModel(intra=Link(0.0, 0.0), inter=Link(0.0, 0.0))
+    assert sync_efficiency(free, n, 256, 8, 1.0, 4) == {"exchange_s": 0.0, "sync": 1.0, "local_sgd": 1.0,
+                                                        "overlapped": 1.0}
 
 
 def test_torus_shape_must_match_world_size():
@@ -496,7 +521,8 @@ DDP_CHECKS = (
     + [f"{kind}_odd_hierarchical_int8" for kind in ("error_feedback", "bitwise", "accounting")]
     + ["auto_choices_odd", "trajectory_hierarchical", "trajectory_torus2d"]
     + ["compressed_training_hierarchical_int8", "compressed_training_flat_bf16"]
-    + ["local_sgd_schedule", "local_sgd_mean", "local_sgd_state", "outer_nesterov", "outer_overlap"]
+    + ["local_sgd_schedule", "local_sgd_mean", "local_sgd_state", "outer_nesterov", "outer_overlap",
+       "outer_auto"]
     + [f"bf16_sum_{v}" for v in ("flat", "hierarchical", "torus2d", "local_sgd")]
     + [f"nonfinite_{v}" for v in ("flat_int8", "hierarchical_int8", "torus2d_bf16")]
 )

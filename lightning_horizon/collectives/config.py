@@ -8,7 +8,7 @@ that needs the world size (``torus_shape``) runs at setup, in :meth:`Collectives
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from lightning_horizon.checks import check_int, check_one_of, is_int, is_number, require
 from lightning_horizon.collectives.outer import OUTERS
@@ -55,9 +55,11 @@ class CollectivesConfig:
     outer_momentum: float = 0.9
     """With ``outer="nesterov"``: the outer momentum (DiLoCo's 0.9), in [0, 1)."""
 
-    sync_overlap: bool = False
-    """With ``sync_every > 1``: the cross-node exchange runs behind the next period's steps instead of blocking,
-    and its outer update is applied one period late, on top of what each node trained meanwhile."""
+    sync_overlap: Union[bool, str] = False
+    """With ``sync_every > 1``: ``True``: the cross-node exchange runs behind the next period's steps instead of
+    blocking, and its outer update is applied one period late, on top of what each node trained meanwhile.
+    ``"auto"``: that staleness is allowed, and taken where the cost model predicts it saves time (decided at the
+    first sync, logged, checkpointed)."""
 
     torus_shape: Optional[tuple[int, int]] = None
     """``(X, Y)`` for ``torus2d``: X ranks per row (consecutive ranks), Y rows, X * Y = world size. ``None``:
@@ -93,7 +95,8 @@ class CollectivesConfig:
         require(is_number(self.outer_lr, 0), _OWNER, "outer_lr", self.outer_lr, "a finite number > 0")
         require(is_number(self.outer_momentum, 0, 1, include_low=True), _OWNER, "outer_momentum",
                 self.outer_momentum, "a number in [0, 1)")
-        require(isinstance(self.sync_overlap, bool), _OWNER, "sync_overlap", self.sync_overlap, "True or False")
+        require(isinstance(self.sync_overlap, bool) or self.sync_overlap == "auto", _OWNER, "sync_overlap",
+                self.sync_overlap, "True, False or 'auto'")
         outer = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.name in OUTER_OPTIONS
                  and getattr(self, f.name) != f.default]
         if outer and self.sync_every == 1:

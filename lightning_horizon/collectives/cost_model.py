@@ -295,3 +295,27 @@ class BucketPlanner:
             coded = f" + {compression}" if compression else ""
             self._info(f"collectives auto: buckets of {numel * FP32 / 2**20:.3f} MiB -> {algorithm}{coded}{pieces}")
         return self.choices[numel]
+
+
+def sync_efficiency(model: CostModel, numel: int, nodes: int, ranks_per_node: int, compute_s: float,
+                    every: int) -> dict[str, float]:
+    """Scaling efficiency of the cross-node sync modes on paper: the share of the time a node computes, for a
+    model of ``numel`` fp32 parameters whose step computes for ``compute_s`` seconds on every node (weak scaling:
+    the same batch per node at any node count), syncing every ``every`` steps where the mode is periodic.
+
+    With T the model's time for a hierarchical allreduce of the weights (or gradients: the same size) across the
+    nodes and A its intra-node part alone (one node: the slices gathered back into every rank's weights, which
+    every periodic sync pays), H = ``every`` and C = ``compute_s``:
+
+    - ``sync`` (gradients every step): C / (C + T);
+    - ``local_sgd`` (the blocking average, or DiLoCo's blocking outer step): H C / (H C + T + A);
+    - ``overlapped`` (``sync_overlap=True``): H C / (H C + A + max(0, T - H C)), the exchange hidden behind the
+      period's compute as far as it lasts.
+
+    The model leaves out what a measurement shows: the exchange's own CPU time competing with compute on the
+    node's cores, and the convergence a period of staleness costs."""
+    t = model.predict("hierarchical", numel, nodes, ranks_per_node).time
+    a = model.predict("hierarchical", numel, 1, ranks_per_node).time
+    c, h = compute_s, every
+    return {"exchange_s": t, "sync": c / (c + t), "local_sgd": h * c / (h * c + t + a),
+            "overlapped": h * c / (h * c + a + max(0.0, t - h * c))}

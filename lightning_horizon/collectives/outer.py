@@ -16,6 +16,11 @@ period late (bounded staleness, one exchange), and the delta sent next is again 
 progress. The exchange runs on a process group of its own (gloo works it on its threads), so the intra-node
 gradient reductions and any other collective of the step go on beside it.
 
+``sync_overlap="auto"`` lets the strategy decide, once, at the first outer step: the cost model (the setup probe's
+links, or ``cost_model=``) predicts the exchange's time, the first period measured its compute (the slowest rank's),
+and the exchange is overlapped where hiding it is predicted to save at least :data:`OVERLAP_GAIN` of a period;
+elsewhere a period of staleness buys too little. The decision is logged with its figures and checkpointed.
+
 Memory: each local rank keeps its 1/L slice of the flattened true weights' anchor, Nesterov velocity and (with
 overlap) the snapshot it sent from, and the delta in flight: at most 4/L of the weights per rank, one copy of each
 per node. All ranks of a node hold bitwise-equal weights, so each updates its own slice and the node all-gathers
@@ -27,9 +32,10 @@ in flight and saves its sum with the slices, so a resume applies it at the same 
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -38,16 +44,23 @@ from lightning_horizon.collectives.comm import Comm
 from lightning_horizon.state import TrainingState
 
 OUTERS = ("average", "nesterov")
+#: ``sync_overlap="auto"`` overlaps where that is predicted to save at least this share of a period's time
+OVERLAP_GAIN = 0.05
 
 
 class OuterSync:
     """This rank's share of the outer optimizer: the anchor, velocity and snapshot slices, and the exchange."""
 
-    def __init__(self, kind: str, lr: float, momentum: float, overlap: bool, params: list[Tensor], row: Comm,
-                 col: Comm, state: TrainingState) -> None:
+    def __init__(self, kind: str, lr: float, momentum: float, overlap: Union[bool, str], params: list[Tensor],
+                 row: Comm, col: Comm, state: TrainingState, exchange_seconds: Optional[float] = None,
+                 info: Callable[[str], None] = lambda message: None) -> None:
         """``row``: this node's ranks (the slices are gathered there); ``col``: this local rank on every node, a
-        process group used for nothing else (the exchange is in flight beside the step's collectives)."""
+        process group used for nothing else (the exchange is in flight beside the step's collectives).
+        ``overlap="auto"``: decided at the first outer step from ``exchange_seconds``, the cost model's time for
+        the exchange; ``info``: where the decision is told (rank 0's log)."""
         self.kind, self.lr, self.momentum, self.overlap = kind, lr, momentum, overlap
+        self.exchange_seconds, self._info = exchange_seconds, info
+        self._started = 0.0  # when local training began (the first period's compute is measured from there)
         self.params, self.row, self.col, self.state = params, row, col, state
         self.anchor: Optional[Tensor] = None
         self.velocity: Optional[Tensor] = None
@@ -70,12 +83,15 @@ class OuterSync:
     def start(self) -> None:
         """Take the anchor: this rank's slice of the weights every node holds where local training begins."""
         self.anchor = self._slices()[1].clone()
+        self._started = time.perf_counter()
 
     @torch.no_grad()
     def step(self) -> None:
         """The end of a period: the outer step, and (with overlap) the next exchange started."""
         if self.anchor is None:
             raise RuntimeError("OuterSync.step before start(): no anchor to step from")
+        if self.overlap == "auto":
+            self.overlap = self._decide()
         padded, mine, n = self._slices()
         moved = True
         if not self.overlap:
@@ -95,6 +111,20 @@ class OuterSync:
         if moved:
             self.row.all_gather(padded, mine)
             self.state.write_flat(self.params, padded[:n])
+
+    def _decide(self) -> bool:
+        """``sync_overlap="auto"`` at the first outer step: overlap where hiding the predicted exchange saves at
+        least OVERLAP_GAIN of a period. The period is the slowest rank's, so every rank decides alike."""
+        period = torch.tensor([time.perf_counter() - self._started], dtype=torch.float64)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(period, op=dist.ReduceOp.MAX)
+        compute, exchange = float(period), float(self.exchange_seconds or 0.0)
+        saved = min(exchange, compute) / (compute + exchange) if compute + exchange > 0 else 0.0
+        overlap = saved >= OVERLAP_GAIN
+        self._info(f"collectives: sync_overlap='auto': the exchange is predicted to take {exchange * 1e3:.1f} ms"
+                   f" against {compute * 1e3:.0f} ms of compute per period; overlapping it saves {saved:.0%} of a"
+                   f" period: {'overlapped' if overlap else f'not overlapped (below {OVERLAP_GAIN:.0%})'}")
+        return overlap
 
     def _arrived(self) -> Tensor:
         """The nodes' average delta of the exchange in flight, waited for."""
@@ -123,12 +153,15 @@ class OuterSync:
 
     def state_dict(self) -> dict[str, Any]:
         self.drain()  # a checkpoint holds the exchange's result, never a half-sent delta
-        return {"anchor": self.anchor, "velocity": self.velocity, "snapshot": self.snapshot, "sent": self._sent}
+        return {"anchor": self.anchor, "velocity": self.velocity, "snapshot": self.snapshot, "sent": self._sent,
+                "overlap": self.overlap}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.drain()
         self.anchor, self.velocity = state["anchor"], state["velocity"]
         self.snapshot, self._sent = state["snapshot"], state["sent"]
+        if self.overlap == "auto":  # decided before the checkpoint: the resumed run goes on as it did
+            self.overlap = state.get("overlap", "auto")
 
 
 __all__ = ["OUTERS", "OuterSync"]

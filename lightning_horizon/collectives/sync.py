@@ -73,11 +73,26 @@ class GradientSync(Part):
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.codec = Codec(config.compression, config.int8_block) if config.compression else None
         self.error_feedback = ErrorFeedback(named) if self.codec else None
+        # the links, for auto's choice of algorithm and sync_overlap="auto"'s of overlap: given, or probed (collective)
+        cost_model = None
+        if config.algorithm == "auto" or (config.sync_overlap == "auto" and topo.num_nodes > 1):
+            cost_model = config.cost_model
+            source = "given"
+            if cost_model is None:
+                codecs = [config.compression] if config.compression else []
+                cost_model = probe(groups, codecs, config.int8_block)
+                source = "probed"
+            self._info(f"collectives auto: {source} links: {cost_model.describe()}")
         outer = None
         if config.sync_every > 1 and (config.outer != "average" or config.sync_overlap):
+            exchange = None
+            if config.sync_overlap == "auto" and cost_model is not None:  # decided at the first sync
+                numel = sum(p.numel() for _, p in named)  # as hierarchical's allreduce of the weights: the same stages
+                exchange = cost_model.predict("hierarchical", numel, topo.num_nodes, per_node).time
             # its own inter-node group: with overlap the exchange is in flight while the steps reduce theirs
             outer = OuterSync(config.outer, config.outer_lr, config.outer_momentum, config.sync_overlap,
-                              [p for _, p in named], self.intra, comm(groups.spare_inter(), groups.inter_ranks), state)
+                              [p for _, p in named], self.intra, comm(groups.spare_inter(), groups.inter_ranks), state,
+                              exchange, self._info)
         self.periodic = (
             PeriodicSync(config.sync_every, config.sync_warmup_steps, [p for _, p in named], self.intra, self.inter,
                          state, outer)
@@ -94,17 +109,9 @@ class GradientSync(Part):
             p.register_post_accumulate_grad_hook(lambda p, n=n: self._ready.append(n)) for n, p in named
         ]
 
-        cost_model = None
-        if config.algorithm == "auto":
-            cost_model = config.cost_model
-            source = "given"
-            if cost_model is None:
-                codecs = [config.compression] if config.compression else []
-                cost_model = probe(groups, codecs, config.int8_block)
-                source = "probed"
-            self._info(f"collectives auto: {source} links: {cost_model.describe()}")
         #: which algorithm (pipeline chunk, compression) reduces each bucket size
-        self.planner = BucketPlanner(config, topo.num_nodes, per_node, self.torus_cols, cost_model, info=self._info)
+        self.planner = BucketPlanner(config, topo.num_nodes, per_node, self.torus_cols,
+                                     cost_model if config.algorithm == "auto" else None, info=self._info)
         self._info(
             f"collectives: {config.algorithm} on {topo.num_nodes} node(s) x {per_node} rank(s)"
             + (f", torus {self.torus_cols} x {world // self.torus_cols}" if config.algorithm == "torus2d" else "")

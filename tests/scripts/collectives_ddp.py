@@ -358,6 +358,31 @@ def check_outer(checks: dict, groups: ProcessGroups) -> None:
         )
 
 
+def check_outer_auto(checks: dict, groups: ProcessGroups) -> None:
+    """sync_overlap="auto": overlapped where the given links make the exchange a real part of the period (a
+    10 Mbit/s inter-node link: the weights' exchange takes ~30 ms against a few ms of compute), not where it is free
+    (links of 1 PB/s); the same decision on every rank, kept in the checkpoint."""
+    decided = {}
+    for name, beta in (("slow", 1 / 1.25e6), ("free", 1e-15)):
+        links = {"intra": (1e-9, 1e-15), "inter": (1e-9, beta)}
+        ddp, sync = wrap(equal_model(), groups, EQUAL_BUCKET_MB, algorithm="hierarchical", sync_every=2,
+                         sync_overlap="auto", cost_model=links)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        for it in range(2):
+            x, y = batch(it, dist.get_rank())
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(ddp(x), y).backward()
+            opt.step()
+            sync.after_optimizer_step()
+        outer = sync.periodic.outer
+        decided[name] = [bool(v) for v in all_ranks(torch.tensor([float(outer.overlap)]))]
+        decided[f"{name} saved"] = sync.state_dict()["periodic"]["outer"]["overlap"]
+    checks["outer_auto"] = result(
+        decided == {"slow": [True] * WORLD, "slow saved": True, "free": [False] * WORLD, "free saved": False},
+        f"overlap decided per rank and saved: {decided}",
+    )
+
+
 class Values(torch.nn.Module):
     """Three bf16 parameters whose gradients are the input: the gradient of ``sum(p * c)`` is ``c``."""
 
@@ -492,6 +517,7 @@ def main(out_path: str) -> None:
         clock("training")
         check_local_sgd(checks, groups)
         check_outer(checks, groups)
+        check_outer_auto(checks, groups)
         clock("local SGD, outer steps")
         check_bf16_sum(checks, groups)
         check_nonfinite(checks, groups)

@@ -1,12 +1,15 @@
 """How a reduction cuts and pads a flat tensor, and what its pieces weigh on the wire.
 
-Shared by the algorithms that run (``algorithms.py``, ``compression.py``, ``local_sgd.py``), the link probe and
-the cost model, so that the model's byte counts are the hooks' byte counts, padding included.
+Shared by the algorithms that run (``algorithms.py``, ``compression.py``, ``local_sgd.py``, ``outer.py``), the link
+probe and the cost model, so that the model's byte counts are the hooks' byte counts, padding included.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    import torch
 
 #: bytes per fp32 element
 FP32 = 4
@@ -32,3 +35,13 @@ def chunk_sizes(numel: int, row_size: int, chunk_numel: int) -> list[int]:
     chunk = round_up(max(chunk_numel, 1), row_size)
     full, rest = divmod(padded, chunk)
     return [chunk] * full + ([rest] if rest else [])
+
+
+def row_slice(flat: "torch.Tensor", rows: int, index: int) -> tuple["torch.Tensor", "torch.Tensor"]:
+    """``flat`` padded with zeros to a multiple of ``rows``, and slice ``index`` of ``rows`` equal ones of it (a
+    view): the piece of a flat tensor one rank of a node works on, the node gathering the pieces back."""
+    import torch.nn.functional as F
+
+    padded = F.pad(flat, (0, round_up(flat.numel(), rows) - flat.numel()))
+    m = padded.numel() // rows
+    return padded, padded[index * m : (index + 1) * m]

@@ -18,10 +18,9 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 
 from lightning_horizon.collectives.comm import Comm
-from lightning_horizon.collectives.chunks import round_up
+from lightning_horizon.collectives.chunks import row_slice
 from lightning_horizon.collectives.outer import OuterSync
 from lightning_horizon.state import TrainingState
 
@@ -88,14 +87,12 @@ class PeriodicSync:
 
     def _allreduce_mean(self, flat: torch.Tensor) -> None:
         """Average ``flat`` across nodes in place: each local rank averages its 1/L slice, the node gathers them."""
-        n, rows = flat.numel(), self.row.size
-        padded = F.pad(flat, (0, round_up(n, rows) - n))
-        m = padded.numel() // rows
-        mine = padded[self.row.index * m : (self.row.index + 1) * m].clone()
+        padded, mine = row_slice(flat, self.row.size, self.row.index)
+        mine = mine.clone()
         self.col.allreduce(mine)
         mine.div_(self.col.size)
         self.row.all_gather(padded, mine)
-        flat.copy_(padded[:n])
+        flat.copy_(padded[: flat.numel()])
 
     def state_dict(self) -> dict:
         out: dict = {"step": self.step, "syncs": self.syncs}

@@ -36,10 +36,9 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_horizon.collectives.chunks import round_up
+from lightning_horizon.collectives.chunks import row_slice
 from lightning_horizon.collectives.comm import Comm
 from lightning_horizon.state import TrainingState
 
@@ -74,10 +73,7 @@ class OuterSync:
         """The true weights, flat and padded to a multiple of the node's ranks, this rank's slice of them (a view),
         and their unpadded length."""
         flat = self.state.read_flat(self.params)
-        n, rows = flat.numel(), self.row.size
-        padded = F.pad(flat, (0, round_up(n, rows) - n))
-        m = padded.numel() // rows
-        return padded, padded[self.row.index * m : (self.row.index + 1) * m], n
+        return (*row_slice(flat, self.row.size, self.row.index), flat.numel())
 
     @torch.no_grad()
     def start(self) -> None:

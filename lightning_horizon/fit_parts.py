@@ -4,11 +4,12 @@ strategy names a part.
 
 0. the constructor (:func:`at_construction`): ``rng`` (per-rank RNG state, exact resume).
 1. ``_setup_model``, before DDP, the optimizers and the precision plugin connect (:func:`before_ddp`):
-   ``store`` (``state_store=``, fitting only: masters and optimizer state are born in the store), then with one
-   process ``unused`` (the module stays unwrapped; after the first step it names the parameters that got no
-   gradient, which DDP refuses on several), else ``node_state`` (``state="node_sharded"`` with several ranks per
-   node: the weights move into the node's shared memory and the gradients take the owners' path, so the model is
-   not wrapped in DDP).
+   ``embedding`` (the module holds a ``ShardedEmbeddingBag``: each rank keeps its rows, out of DDP; placed last, once
+   the parts below are known not to be refused), ``store`` (``state_store=``, fitting only: masters and optimizer
+   state are born in the store), then with one process ``unused`` (the module stays unwrapped; after the first step
+   it names the parameters that got no gradient, which DDP refuses on several), else ``node_state``
+   (``state="node_sharded"`` with several ranks per node: the weights move into the node's shared memory and the
+   gradients take the owners' path, so the model is not wrapped in DDP).
 2. ``_register_ddp_hooks`` (:func:`comm_hook`): ``collectives``, the comm hook's state, unless one rank runs or
    the user registered a hook of their own.
 3. the end of ``setup`` (:func:`at_setup`): the memory check, then ``sharding`` (planned at the first
@@ -22,11 +23,13 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
+import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
 from lightning_horizon import memory, placement
 from lightning_horizon.collectives import GradientSync
+from lightning_horizon.embedding import EmbeddingTables, tables_of
 from lightning_horizon.node_state import NodeState, resolve_group_nodes
 from lightning_horizon.parts import Parts
 from lightning_horizon.rng import RNGState
@@ -50,10 +53,19 @@ def at_construction() -> Parts:
 def before_ddp(strategy: Any, model: nn.Module, trainer: Any, find_unused: bool) -> bool:
     """Add the parts born before DDP (1. above); True when the module stays unwrapped: one process (nothing to
     synchronize), or node-sharded state in DDP's place. ``find_unused``: DDP's ``find_unused_parameters``."""
+    tables = add_tables(strategy, model) if tables_of(model) else None
+    unwrapped = _state_parts(strategy, model, trainer, find_unused)
+    if tables is not None:  # last: a part refused above has moved nothing
+        tables.place(model)
+    return unwrapped
+
+
+def _state_parts(strategy: Any, model: nn.Module, trainer: Any, find_unused: bool) -> bool:
     options = strategy.options
     if options.store is not None and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
         part = OutOfCore(options.store, strategy.training_state, strategy.global_rank, lambda: strategy.sharder,
                          budgeted=options.sharding is not None)
+        strategy.parts.refuse_taken("store", part)
         part.install(model, store_folder(options.store, trainer))
         strategy.parts.add("store", part)
     if strategy.world_size == 1:
@@ -71,9 +83,25 @@ def before_ddp(strategy: Any, model: nn.Module, trainer: Any, find_unused: bool)
     # Before the optimizers and the precision plugin connect: masters only for what this rank owns.
     node = NodeState(model, strategy.process_groups, options.bucket_bytes, strategy.training_state,
                      strategy.precision_plugin, options.node_weights, group_nodes)
+    strategy.parts.refuse_taken("node_state", node)
     node.install()
     strategy.parts.add("node_state", node)
     return True
+
+
+def add_tables(strategy: Any, model: nn.Module) -> EmbeddingTables:
+    """The sharded embedding tables' part, placed by :func:`before_ddp` once the other parts are known (collective: a
+    process group of the tables' own, made by every rank at the same point, once per strategy)."""
+    if strategy.nodes_diverge:
+        raise ValueError(
+            f"ShardedEmbeddingBag with HorizonStrategy(sync_every={strategy.options.collectives.sync_every}) on"
+            f" {strategy.topology.num_nodes} nodes: local SGD averages each rank's parameters with its peers on the"
+            " other nodes, which hold other rows of the table; use sync_every=1")
+    old = strategy.parts.last("embedding")
+    group = old.group if old is not None else (None if strategy.world_size == 1 else dist.new_group())
+    tables = EmbeddingTables(model, strategy.training_state, strategy.global_rank, strategy.world_size, group)
+    strategy.parts.add("embedding", tables)
+    return tables
 
 
 def comm_hook(strategy: Any, module: nn.Module) -> tuple[GradientSync, Callable[..., Any]]:
@@ -104,14 +132,22 @@ def check_memory(strategy: Any) -> None:
     """Fail at setup, on every rank, when gradients and optimizer state cannot fit, or a sharding budget in bytes is
     more than the rank can have (see memory/check.py)."""
     topology, node, sharding = strategy.topology, strategy.node_state, strategy.options.sharding
+    # a sharded table's rows get no dense gradient or optimizer state: its own sparse state instead
+    tables = strategy.training_state.sparse_tables()
+    sparse = {id(t.weight) for t in tables}
+    owns = node.owns if node is not None else None
+    if sparse:
+        owns = lambda p, held=owns: id(p) not in sparse and (held is None or held(p))  # noqa: E731
     need = memory.training_memory(
-        strategy.lightning_module, strategy.optimizers, strategy.precision_plugin,
-        owns=node.owns if node is not None else None,
+        strategy.lightning_module, strategy.optimizers, strategy.precision_plugin, owns=owns,
         weights_shared_by=topology.ranks_per_node if node is not None and node.weights_mode == "shared" else 1,
     )
+    tables_state = sum(t.optimizer_state_bytes() for t in tables)
+    need["optimizer_state"] += tables_state
+    need["pending"] += tables_state
     row = memory.rank_row(strategy.global_rank, topology.node_rank, strategy.num_processes, need,
                           sharding=sharding is not None, budget=sharding.budget_bytes if sharding else None)
     memory.check_fit(placement.all_gather_objects(row))  # every rank decides alike: none is left waiting
 
 
-__all__ = ["FIT_ONLY", "at_construction", "at_setup", "before_ddp", "check_memory", "comm_hook"]
+__all__ = ["FIT_ONLY", "add_tables", "at_construction", "at_setup", "before_ddp", "check_memory", "comm_hook"]

@@ -32,7 +32,9 @@ Lifecycle, as HorizonStrategy drives it:
 - ``before_save(model)``: on every rank before a checkpoint is written (collective work such as settling DDP's
   bucket layout happens here, on all ranks alike).
 - ``comm_metrics()``: the last step's communication figures (``strategy.comm_metrics()`` merges every part's).
-- ``state_dict()`` / ``load_state_dict(state)``: the part's per-rank state.
+- ``state_dict()`` / ``load_state_dict(state)``: the part's per-rank state; a part whose ``layout_free`` is True
+  gathers a state of every rank's on rank 0 (its ``state_dict`` is collective), which is saved once and handed to
+  every rank of any world size.
 - ``teardown()``: the end of the fit; the module leaves as it came in.
 """
 
@@ -55,6 +57,7 @@ GRADIENTS = "the gradient path"
 class PartProtocol(Protocol):
     label: str
     takes: Mapping[str, str]
+    layout_free: bool
 
     def refuses(self, optimizer: Any) -> Optional[str]: ...
 
@@ -98,6 +101,9 @@ class Part:
     #: what the part takes for itself (:data:`PARAMETERS`, :data:`GRADIENTS`) and how: a second part taking the
     #: same is refused at setup, naming both
     takes: Mapping[str, str] = MappingProxyType({})
+    #: the part's ``state_dict`` is collective and whole on rank 0 (e.g. a table's rows gathered from every rank):
+    #: saved once, loaded by every rank whatever the world size
+    layout_free: bool = False
 
     def refuses(self, optimizer: Any) -> Optional[str]:
         """Why this part cannot step ``optimizer`` (torch's, unwrapped), or ``None``: checked at setup."""
@@ -202,17 +208,19 @@ class Parts:
         cannot step (ValueError naming both)."""
         taken: dict[str, tuple[str, str]] = {}  # thing -> (label, how) of the first part that takes it
         for name, part in self._parts.items():
-            label = part.label or name
-            for thing, how in part.takes.items():
-                if thing in taken:
-                    other, other_how = taken[thing]
-                    raise ValueError(f"{other} with {label}: both take {thing} ({other}: {other_how}; {label}: {how});"
-                                     " use one of them")
-                taken[thing] = (label, how)
+            _refuse_taken(taken, part.label or name, part)
             for opt in map(torch_optimizer, optimizers):
                 why = part.refuses(opt)
                 if why is not None:
-                    raise ValueError(f"{label} cannot step {type(opt).__name__}: {why}")
+                    raise ValueError(f"{part.label or name} cannot step {type(opt).__name__}: {why}")
+
+    def refuse_taken(self, name: str, part: PartProtocol) -> None:
+        """Refuse ``part`` (not added yet) when it takes what a registered part takes (ValueError naming both):
+        called before a part installs itself, so that nothing moves first."""
+        taken: dict[str, tuple[str, str]] = {}
+        for other_name, other in self._parts.items():
+            _refuse_taken(taken, other.label or other_name, other)
+        _refuse_taken(taken, part.label or name, part)
 
     def connect(self, trainer: Any, module: nn.Module, optimizers: list[Any]) -> None:
         """Check what the parts declare, route every clip through them until teardown, connect each."""
@@ -299,6 +307,10 @@ class Parts:
     def state_dicts(self) -> dict[str, Any]:
         return {name: part.state_dict() for name, part in self._parts.items()}
 
+    def layout_free(self) -> list[str]:
+        """The names of the parts whose state is whole on rank 0 (:attr:`Part.layout_free`)."""
+        return [name for name, part in self._parts.items() if part.layout_free]
+
     def load_state_dicts(self, states: dict[str, Any]) -> None:
         """Hand each saved state to its part: now if it exists, else when it is added."""
         self._saved = dict(states)
@@ -307,8 +319,20 @@ class Parts:
                 part.load_state_dict(self._saved.pop(name))
 
 
-_HOOKS = ("label", "takes", "refuses", "connect", "after_setup", "before_training_step", "after_training_step",
-          "pre_backward", "post_backward", "clip_gradients", "gradients_ready", "optimizer_stepped",
-          "after_optimizer_step", "before_save", "comm_metrics", "state_dict", "load_state_dict", "teardown")
+def _refuse_taken(taken: dict[str, tuple[str, str]], label: str, part: PartProtocol) -> None:
+    """Add what ``part`` takes to ``taken`` (thing -> (label, how) of the first part that takes it); ValueError
+    naming both where one is taken already."""
+    for thing, how in part.takes.items():
+        if thing in taken:
+            other, other_how = taken[thing]
+            raise ValueError(f"{other} with {label}: both take {thing} ({other}: {other_how}; {label}: {how});"
+                             " use one of them")
+        taken[thing] = (label, how)
+
+
+_HOOKS = ("label", "takes", "layout_free", "refuses", "connect", "after_setup", "before_training_step",
+          "after_training_step", "pre_backward", "post_backward", "clip_gradients", "gradients_ready",
+          "optimizer_stepped", "after_optimizer_step", "before_save", "comm_metrics", "state_dict", "load_state_dict",
+          "teardown")
 
 __all__ = ["GRADIENTS", "PARAMETERS", "part", "Part", "PartProtocol", "Parts"]

@@ -14,10 +14,12 @@ truth (fp32 training, bf16-mixed).
 from __future__ import annotations
 
 import functools
+import math
 
 from typing import Any, Callable, Iterable, Optional
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from lightning_horizon.gradnorm import clip_grads_, total_norm_fp32
@@ -39,6 +41,8 @@ class TrainingState:
         #: out-of-core training (lightning_horizon/store/): the StateStore that holds weights, gradients, masters
         #: and optimizer state in memory-mapped files; ``None``: they live where torch allocates them
         self.store: Optional[Any] = None
+        self._sparse: dict[Tensor, Any] = {}  # parameter -> the table holding its sparse gradient (embedding/)
+        self._sparse_group: Optional[Any] = None  # the ranks the tables' rows are sharded over
 
     # ------------------------------------------------------------------ ownership (node-sharded state)
 
@@ -56,12 +60,55 @@ class TrainingState:
 
     def grad_norm(self, params: Iterable[Tensor], norm_type: float = 2.0) -> Tensor:
         """The fp32 norm of the whole gradient of ``params``, the same on every rank, also when each rank holds only
-        the gradients it owns."""
-        return total_norm_fp32(params, norm_type, self.grad_group, self.stream)
+        the gradients it owns, and with the sparse gradients of the embedding tables among ``params``."""
+        params = list(params)
+        dense = total_norm_fp32(params, norm_type, self.grad_group, self.stream)
+        tables = [self._sparse[p] for p in params if p in self._sparse]
+        if not tables:
+            return dense
+        shares = torch.stack([t.gradient_share(norm_type).to(dense.dtype) for t in tables])
+        if math.isinf(norm_type):
+            share = shares.max()
+            if self._sparse_group is not None:
+                dist.all_reduce(share, op=dist.ReduceOp.MAX, group=self._sparse_group)
+            return torch.maximum(dense, share)
+        share = shares.sum()
+        if self._sparse_group is not None:
+            dist.all_reduce(share, group=self._sparse_group)  # each rank holds its own rows' gradients
+        return (dense.pow(norm_type) + share).pow(1.0 / norm_type)
 
     def clip(self, params: list[Tensor], max_norm: float, total_norm: Tensor) -> float:
-        """Scale the gradients of ``params`` in place to a total norm of at most ``max_norm``; returns the factor."""
-        return clip_grads_(params, max_norm, total_norm, lambda ps: self.stream(ps, dirty=True))
+        """Scale the gradients of ``params`` (the tables' sparse ones too) in place to a total norm of at most
+        ``max_norm``; returns the factor."""
+        factor = clip_grads_(params, max_norm, total_norm, lambda ps: self.stream(ps, dirty=True))
+        if factor != 1.0:
+            coef = torch.tensor(factor, dtype=total_norm.dtype)  # exactly clip_grads_' (its dtype, as a float)
+            for p in params:
+                if p in self._sparse:
+                    self._sparse[p].scale_gradient(coef)
+        return factor
+
+    def skip(self, params: Iterable[Tensor]) -> None:
+        """No step for ``params``: their gradients go (torch optimizers skip a parameter without one), and so do the
+        tables' sparse ones: no row is touched."""
+        for p in params:
+            p.grad = None
+            if p in self._sparse:
+                self._sparse[p].drop_gradient()
+
+    def register_sparse(self, param: Tensor, table: Any, group: Optional[Any]) -> None:
+        """``param``'s gradient is held by ``table`` (``gradient_share``, ``scale_gradient``, ``drop_gradient``),
+        sharded over ``group`` (``None``: one process): counted in :meth:`grad_norm`, scaled by :meth:`clip`,
+        dropped by :meth:`skip`."""
+        self._sparse[param] = table
+        self._sparse_group = group
+
+    def sparse_tables(self) -> list[Any]:
+        """The tables registered by :meth:`register_sparse` (for memory estimates)."""
+        return list(self._sparse.values())
+
+    def unregister_sparse(self) -> None:
+        self._sparse, self._sparse_group = {}, None
 
     # ------------------------------------------------------------------ registration (precision policies)
 

@@ -55,9 +55,11 @@ class StrategyCheckpoint:
             states["node_state"] = shares.state_dict()  # after fit: its per-rank state, as a save at the fit's end
         if s.nodes_diverge and s.topology.local_rank == 0 and s.topology.node_rank > 0:
             states[NODE_KEY] = node_state(checkpoint, type(s.precision_plugin).__qualname__)
-        ranks = self.gather_objects(states)
+        free = s.parts.layout_free()  # whole on rank 0, empty elsewhere: saved once, for any layout
+        ranks = self.gather_objects({k: v for k, v in states.items() if k not in free})
         if ranks is not None:
-            checkpoint[CHECKPOINT_KEY] = {"world_size": s.world_size, "ranks": ranks, "state_files": files}
+            checkpoint[CHECKPOINT_KEY] = {"world_size": s.world_size, "ranks": ranks, "state_files": files,
+                                          "layout_free": {k: states[k] for k in free}}
 
     def _save_node_state(self, checkpoint: dict[str, Any], filepath: Any, shares: Any) -> int:
         """Each rank holds its parameters' optimizer state and masters (the first shard group's ranks, 0 .. n - 1,
@@ -100,14 +102,17 @@ class StrategyCheckpoint:
             # validate/test/predict(ckpt_path=...) take the weights only, as under DDP: the per-rank state (RNG, error
             # feedback, plans) is for resuming training, and restoring the RNG would move the user's draws
             return checkpoint
+        free = saved.get("layout_free", {})  # every rank's, whatever the layout
         if saved["world_size"] != s.world_size:
             log.warning(
                 f"HorizonStrategy: checkpoint saved with world size {saved['world_size']}, resuming with"
                 f" {s.world_size}: per-rank state (RNG, collectives, sharding) starts fresh"
             )
+            s.parts.load_state_dicts(free)
             return checkpoint
         # parts that exist get their state now, the others when setup creates them
-        s.parts.load_state_dicts({k: v for k, v in saved["ranks"][s.global_rank].items() if k != NODE_KEY})
+        s.parts.load_state_dicts({**{k: v for k, v in saved["ranks"][s.global_rank].items() if k != NODE_KEY},
+                                  **free})
         if s.nodes_diverge:
             # Lightning restores the weights, optimizer and precision state from this dict: give it this node's
             checkpoint, self.node_weights = this_nodes_checkpoint(

@@ -43,7 +43,9 @@ class UnusedParameters(Part):
 def warn_unused_parameters(optimizer: Any, module: torch.nn.Module) -> None:
     """Warn (one process, after the first step) about parameters this optimizer steps that got no gradient."""
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    unused = [n for n, p in module.named_parameters() if id(p) in stepped and p.requires_grad and p.grad is None]
+    ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))  # DDP's: no gradient expected there
+    unused = [n for n, p in module.named_parameters()
+              if id(p) in stepped and p.requires_grad and p.grad is None and n not in ignored]
     if unused and len(unused) < len(stepped):  # none at all: a skipped step, not unused parameters
         rank_zero_warn(
             f"HorizonStrategy: {len(unused)} parameter(s) got no gradient in the first step ({', '.join(unused[:3])}"

@@ -180,17 +180,18 @@ def cpu_line(*extra: str) -> str:
 
 
 def parse_common(p: "argparse.ArgumentParser", argv: Optional[list[str]], smoke: dict,
-                 worker: Callable[[dict, str], None]) -> "Optional[argparse.Namespace]":
-    """Add the options every bench script has (corpus, cache, timeout, JSON output, ``--smoke`` and the worker's
-    own), then parse: with ``--smoke`` the ``smoke`` defaults apply (options given explicitly still win). SIGTERM
-    becomes an exception, so that run_worker's cleanup kills a worker's process group (its own session). A worker
-    process (``--worker SPEC``) runs ``worker(spec, out)`` here and gets None."""
+                 worker: Callable[[dict, str], None], corpus: bool = True) -> "Optional[argparse.Namespace]":
+    """Add the options every bench script has (the corpus and its cache where ``corpus``, timeout, JSON output,
+    ``--smoke`` and the worker's own), then parse: with ``--smoke`` the ``smoke`` defaults apply (options given
+    explicitly still win). SIGTERM becomes an exception, so that run_worker's cleanup kills a worker's process group
+    (its own session). A worker process (``--worker SPEC``) runs ``worker(spec, out)`` here and gets None."""
     import argparse
     import json
     import signal
 
-    p.add_argument("--max-bytes", type=int, default=4 * 2**20, help="corpus bytes to tokenize (lm_data max_bytes)")
-    p.add_argument("--cache-dir", default=None, help="token cache (default ~/.cache/lightning_horizon)")
+    if corpus:
+        p.add_argument("--max-bytes", type=int, default=4 * 2**20, help="corpus bytes to tokenize (lm_data max_bytes)")
+        p.add_argument("--cache-dir", default=None, help="token cache (default ~/.cache/lightning_horizon)")
     p.add_argument("--timeout", type=float, default=600, help="seconds per run")
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--smoke", action="store_true", help="tiny defaults: " + ", ".join(f"{k}={v}" for k, v in

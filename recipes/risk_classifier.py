@@ -2,6 +2,7 @@
 
     python recipes/risk_classifier.py                      # embedded data with a known signal, a minute or so
     python recipes/risk_classifier.py fit --data.csv_path rows.csv --data.id_columns '[merchant, device]'
+    python recipes/risk_classifier.py fit --trainer.devices 4 --model.num_buckets 20000000  # 20M rows over 4 ranks
 
 The embedded generator draws rows whose default probability is known exactly, so the best achievable AUROC
 (the "oracle": the true probabilities ranked against the labels) is printed next to the model's and the target
@@ -12,7 +13,11 @@ learn to ignore them).
 
 High-cardinality ids are never given a row each: every id is hashed ``num_hashes`` times into ``num_buckets``
 shared rows whose vectors are summed (the hashing trick with multiple hashes, as in Bloom embeddings): memory is
-``num_buckets x dim`` whatever the cardinality, and two ids collide on all hashes only rarely.
+``num_buckets x dim`` whatever the cardinality, and two ids collide on all hashes only rarely. The table is a
+ShardedEmbeddingBag (``--model.table sharded``, the default; docs/embedding.md): under HorizonStrategy with several
+ranks its rows are spread over them, a step moves and updates only the rows its batch touched (row-wise Adagrad at
+``--model.table_lr``), and the MLP stays data parallel under AdamW. ``--model.table dense`` is the replicated
+``nn.Embedding`` that AdamW updates whole.
 """
 
 from __future__ import annotations
@@ -33,11 +38,13 @@ from torchmetrics.classification import BinaryAccuracy, BinaryAUROC
 from torchmetrics.functional.classification import binary_auroc
 
 from lightning_horizon import GradNormBackoff
+from lightning_horizon.embedding import RowWiseAdagrad, ShardedEmbeddingBag
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _cli import FitByDefaultParser, csv_logger_under, drop_unset_ddp_args, horizon_precision_default  # noqa: E402
 
 N_DENSE = 8
+TABLES = ("sharded", "dense")
 ID_FIELDS = ("merchant", "region", "device")
 _CARDINALITY = {"merchant": 200_000, "region": 1_000, "device": 1_000_000}
 
@@ -165,16 +172,27 @@ class RiskDataModule(L.LightningDataModule):
 
 class HashedEmbedding(nn.Module):
     """Ids of ``n_fields`` fields -> ``(batch, n_fields, dim)``: each id hashed ``num_hashes`` times into
-    ``num_buckets`` shared rows (a different hash family per field), the rows summed."""
+    ``num_buckets`` shared rows (a different hash family per field), the rows summed.
 
-    def __init__(self, n_fields: int, num_buckets: int, dim: int, num_hashes: int = 2, seed: int = 0) -> None:
+    ``table="sharded"``: the rows in a ShardedEmbeddingBag (docs/embedding.md), spread over the ranks under
+    HorizonStrategy and stepped sparsely by row-wise Adagrad at ``table_lr``; ``"dense"``: an ``nn.Embedding`` every
+    rank holds whole, stepped densely by the model's AdamW."""
+
+    def __init__(self, n_fields: int, num_buckets: int, dim: int, num_hashes: int = 2, seed: int = 0,
+                 table: str = "sharded", table_lr: float = 0.02) -> None:
         super().__init__()
         if num_buckets < 2 or num_hashes < 1 or dim < 1:
             raise ValueError(f"HashedEmbedding(num_buckets={num_buckets}, dim={dim}, num_hashes={num_hashes}): allowed"
                              " are num_buckets >= 2, dim >= 1, num_hashes >= 1")
-        self.num_buckets = num_buckets
-        self.table = nn.Embedding(num_buckets, dim)
-        nn.init.normal_(self.table.weight, std=0.05)
+        if table not in TABLES:
+            raise ValueError(f"HashedEmbedding(table={table!r}): allowed is one of {TABLES}")
+        self.num_buckets, self.sharded = num_buckets, table == "sharded"
+        if self.sharded:  # each rank draws only the rows it holds (init_seed)
+            self.table = ShardedEmbeddingBag(num_buckets, dim, mode="sum", optimizer=RowWiseAdagrad(lr=table_lr),
+                                             init_std=0.05, init_seed=seed)
+        else:
+            self.table = nn.Embedding(num_buckets, dim)
+            nn.init.normal_(self.table.weight, std=0.05)
         g = torch.Generator().manual_seed(seed)
         # odd multipliers and random offsets, one pair per (field, hash): multiply-shift-style universal hashing
         self.register_buffer("mul", torch.randint(1, 2**31 - 1, (n_fields, num_hashes), generator=g) * 2 + 1,
@@ -184,6 +202,8 @@ class HashedEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         h = ids[:, :, None] * self.mul + self.add  # int64 wrap-around is part of the hash
         h = torch.remainder(h ^ (h >> 29), self.num_buckets)
+        if self.sharded:  # one bag per (sample, field): its hashes' rows summed
+            return self.table(h.flatten(0, 1)).view(*h.shape[:2], -1)
         return self.table(h).sum(2)
 
 
@@ -199,14 +219,17 @@ class RiskModel(L.LightningModule):
         hidden: MLP hidden widths.
         lr: AdamW learning rate.
         weight_decay: AdamW weight decay.
+        table: ``"sharded"`` (rows spread over the ranks, row-wise Adagrad on the rows a batch touches) or
+            ``"dense"`` (every rank holds the table; AdamW steps every row).
+        table_lr: row-wise Adagrad's learning rate (``table="sharded"``).
     """
 
     def __init__(self, n_dense: int = N_DENSE, n_ids: int = len(ID_FIELDS), num_buckets: int = 2**16,
                  embed_dim: int = 16, num_hashes: int = 2, hidden: tuple[int, ...] = (128, 64), lr: float = 3e-3,
-                 weight_decay: float = 1e-5) -> None:
+                 weight_decay: float = 1e-5, table: str = "sharded", table_lr: float = 0.02) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.embed = HashedEmbedding(n_ids, num_buckets, embed_dim, num_hashes)
+        self.embed = HashedEmbedding(n_ids, num_buckets, embed_dim, num_hashes, table=table, table_lr=table_lr)
         layers: list[nn.Module] = []
         width = n_dense + n_ids * embed_dim
         for h in hidden:

@@ -64,9 +64,9 @@ def test_a_part_implements_the_contract():
         def state_dict(self):
             return {}
 
-    missing = ("label, takes, refuses, connect, after_setup, before_training_step, after_training_step, pre_backward,"
-               " post_backward, clip_gradients, gradients_ready, optimizer_stepped, after_optimizer_step, before_save,"
-               " comm_metrics, load_state_dict, teardown")
+    missing = ("label, takes, layout_free, refuses, connect, after_setup, before_training_step, after_training_step,"
+               " pre_backward, post_backward, clip_gradients, gradients_ready, optimizer_stepped, after_optimizer_step,"
+               " before_save, comm_metrics, load_state_dict, teardown")
     with pytest.raises(TypeError, match=rf"part 'x'=Incomplete: .*missing {missing} .*lightning_horizon.parts.Part"):
         Parts().add("x", Incomplete())
 
@@ -101,6 +101,12 @@ def test_the_registry_refuses_what_two_parts_declare_naming_both():
                                          r" \(MyOffload\(\.\.\.\): pinned in a memory pool of mine; other: in files\)"):
         parts.check([])
     assert other.label == "" and parts.get("sync").takes == {GRADIENTS: "a hook"}
+    # before a part installs itself: the same refusal, the part not added
+    parts.remove("other")
+    late = type("Late", (Part,), {"label": "Late(...)", "takes": {PARAMETERS: "mapped"}})()
+    with pytest.raises(ValueError, match=r"^MyOffload\(\.\.\.\) with Late\(\.\.\.\): both take the parameters'"):
+        parts.refuse_taken("late", late)
+    assert "late" not in parts
 
 
 def test_a_users_part_that_takes_what_the_store_takes_is_refused_at_setup(tmp_path: Path):

@@ -8,6 +8,7 @@ bounds the whole); the 2-rank recipe run goes through tests/launch.py's hard tim
 from __future__ import annotations
 
 import csv
+import json
 import logging
 import math
 import re
@@ -558,6 +559,30 @@ def test_bench_sharding_smoke(monkeypatch, capsys):
     out = capsys.readouterr().out
     rows = [line.split()[0] for line in out.splitlines() if line.startswith(("plain ", "per-block ", "plan@"))]
     assert rows == ["plain", "per-block", "plan@per-block"], out
+
+
+def test_bench_embedding_smoke(tmp_path, capsys):
+    """2 runs of 2 ranks (a 10k-row table, 3 steps): the dense table under "ddp" and the sharded one; the table's
+    bytes per rank are what the arms hold (dense: weight, gradient, two AdamW moments; sharded: half the rows and
+    one Adagrad sum per row)."""
+    import bench_embedding
+
+    bench_embedding.main(["--smoke", "--json", str(tmp_path / "out.json")])
+    out = capsys.readouterr().out
+    assert "torchrec: skipped: " in out and "2 ranks, sharded / dense: samples/s" in out
+    mib = {r["arm"]: r["table_mib"] for r in json.loads((tmp_path / "out.json").read_text())}
+    assert mib["dense"] == pytest.approx(10_000 * 16 * 4 * 4 / 2**20, rel=1e-6)
+    assert mib["sharded"] == pytest.approx(5_000 * (16 + 1) * 4 / 2**20, rel=1e-6)
+
+
+def test_risk_classifier_shards_its_table_over_two_ranks(tmp_path):
+    """The recipe at 2 ranks: the table's rows spread over them, AUROC as at one."""
+    out = run_script(REPO / "recipes" / "risk_classifier.py", [
+        "fit", "--data.n_rows", "30000", "--trainer.devices", "2", "--trainer.default_root_dir", str(tmp_path),
+        "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+    ], timeout=300).stdout
+    auroc = float(out.split("val AUROC ")[1].split()[0])
+    assert auroc >= 0.85, out[-3000:]
 
 
 def test_grad_norm_backoff_demo_smoke(tmp_path, monkeypatch, capsys):

@@ -269,8 +269,12 @@ class GradNormBackoff(Callback):
 
     def _skip(self, trainer: "pl.Trainer", params: list[Tensor], st: BackoffState) -> None:
         """A non-finite norm: no step, and a backoff."""
-        for p in params:
-            p.grad = None  # torch optimizers skip params without a grad: weights and state stay as they are
+        state = getattr(trainer.strategy, "training_state", None)  # HorizonStrategy: the tables' sparse ones too
+        if state is not None:
+            state.skip(params)
+        else:
+            for p in params:
+                p.grad = None  # torch optimizers skip params without a grad: weights and state stay as they are
         st.skipped_steps += 1
         old = self._back_off(st)
         rank_zero(trainer, log.warning, "GradNormBackoff: non-finite gradient norm (%s) at step %d: step skipped (%d so"

@@ -14,6 +14,7 @@ from lightning.pytorch.demos.boring_classes import RandomDataset
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
+from lightning_horizon.embedding import ShardedEmbeddingBag, SparseSGD
 from tests.differential.space import SECOND_OPTIMIZERS
 
 VOCAB, SEQ, D, BATCH = 16, 4, 8, 4  # batch: per rank and micro-batch
@@ -55,6 +56,11 @@ class Zoo(nn.Module):
 
     def __init__(self, m: dict) -> None:
         super().__init__()
+        # first: the module's first parameter, in the first optimizer (manual optimization splits them in two)
+        if m["bag"] == "dense":
+            self.bag = nn.EmbeddingBag(VOCAB, D, mode="sum")
+        elif m["bag"]:
+            self.bag = ShardedEmbeddingBag(VOCAB, D, mode="sum", optimizer=SparseSGD(lr=None))  # the group's lr
         self.emb = nn.Embedding(VOCAB, D)
         self.blocks = nn.ModuleList([Block(m["batchnorm"], m["dropout"]) for _ in range(2)])
         self.head = nn.Linear(D, VOCAB, bias=False)
@@ -64,6 +70,8 @@ class Zoo(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.emb(x)
+        if hasattr(self, "bag"):
+            h = h + self.bag(x).unsqueeze(1)  # the sequence's bag of tokens, added at every position
         for b in self.blocks:
             h = b(h)
         return self.head(h)

@@ -50,12 +50,16 @@ def relayout(ex: dict, layout: str) -> dict:
 
 def for_ddp(ex: dict) -> dict:
     """The example as Lightning's "ddp" trains it: HorizonStrategy's options at their defaults (so that examples
-    that differ in those only share their reference fit). Local SGD keeps its nodes and period: the reference is
-    "ddp" inside each node with the parameters averaged across nodes (tests/scripts/differential_fit.py)."""
+    that differ in those only share their reference fit), a sharded table as a dense one. Local SGD keeps its nodes
+    and period: the reference is "ddp" inside each node with the parameters averaged across nodes
+    (tests/scripts/differential_fit.py)."""
     local_sgd = ex["sync_every"] > 1
-    return {**copy.deepcopy(ex), "rpn": ex["rpn"] if local_sgd else 1, "state": "replicated", "store": None,
-            "sharding": None, "collectives": "flat", "torus_shape": None, "cost_model": None, "compression": None,
-            "bucket_mb": 1.0, "shard_nodes": 1}
+    out = {**copy.deepcopy(ex), "rpn": ex["rpn"] if local_sgd else 1, "state": "replicated", "store": None,
+           "sharding": None, "collectives": "flat", "torus_shape": None, "cost_model": None, "compression": None,
+           "bucket_mb": 1.0, "shard_nodes": 1}
+    if out["model"]["bag"]:
+        out["model"]["bag"] = "dense"  # a plain nn.EmbeddingBag the optimizer steps (tests/differential/models.py)
+    return out
 
 
 @dataclass

@@ -17,7 +17,9 @@ from typing import Any, Callable, Optional
 # ------------------------------------------------------------------------------------------------ the choices
 
 MODEL_KINDS = ("zoo", "transformer", "boring")  # zoo: ours (tokens, blocks); Lightning's demo Transformer, BoringModel
-MODEL_FLAGS = ("tied", "frozen", "never", "sometimes", "batchnorm", "dropout", "groups")
+#: "bag": a ShardedEmbeddingBag beside the zoo's token embedding (SparseSGD at its parameter group's lr; "ddp" trains
+#: a dense nn.EmbeddingBag in its place, tests/differential/models.py)
+MODEL_FLAGS = ("tied", "frozen", "never", "sometimes", "batchnorm", "dropout", "groups", "bag")
 
 #: torch.optim, every class with state a user would pick, each with the variants that change its state or arithmetic
 OPTIMIZERS: dict[str, list[dict]] = {
@@ -129,6 +131,7 @@ def draw(seed: int, world: int) -> dict:
     # local SGD's sync: the plain average or DiLoCo's Nesterov outer step, blocking or overlapped with the next period
     ex["outer"] = rng.choice(("average", "nesterov"))
     ex["overlap"] = coin(0.5)
+    ex["model"]["bag"] = coin(0.25)
     ex = constrain(ex)
     if refusal(ex) is not None and not keep_refused:
         ex = unrefuse(ex)
@@ -152,6 +155,7 @@ def refused_examples() -> list[dict]:
     base = simplest()
     sharded = {"world": 2, "rpn": 2, "state": "node_sharded", "bucket_mb": 0.0005}
     nodes2 = {"world": 2, "rpn": 1, "bucket_mb": 0.0005}  # 2 nodes x 1
+    bag = {**base["model"], "bag": True}
     out = [
         {**base, **nodes2, "compression": "int8", "sync_every": 2},
         {**base, "world": 4, "rpn": 2, "bucket_mb": 0.0005, "state": "node_sharded", "collectives": "torus2d"},
@@ -160,6 +164,10 @@ def refused_examples() -> list[dict]:
         {**base, **sharded, "store": {"step": "auto", "prefetch": "read"}},
         {**base, "world": 4, "rpn": 2, "bucket_mb": 0.0005, "collectives": "torus2d", "torus_shape": [4, 1],
          "compression": "int8"},
+        {**base, **nodes2, "sync_every": 2, "model": bag},
+        {**base, "store": {"step": "auto", "prefetch": "read"}, "model": bag},
+        {**base, **sharded, "model": bag},
+        {**base, "precision": "bf16-true+kahan", "model": bag},
         {**base, **sharded, "optimizer": {"name": "LBFGS", "kwargs": OPTIMIZERS["LBFGS"][0]}},
         {**base, "optimizer": {"name": "LBFGS", "kwargs": OPTIMIZERS["LBFGS"][0]}, "precision": "bf16-true+fp32",
          "sharding": "auto"},
@@ -291,6 +299,12 @@ def constrain(ex: dict) -> dict:
         m["dropout"] = False
     if ex["sync_every"] == 1:
         ex["outer"], ex["overlap"] = "average", False  # options of the periodic sync
+    if m["kind"] != "zoo":
+        m["bag"] = False  # the zoo's tokens are its ids
+    if m["bag"]:
+        # the table steps with SparseSGD at its group's lr: the same as "ddp"'s dense table under plain SGD
+        # (embedding.md); it is the module's first parameter, so in the first optimizer
+        ex["optimizer"] = {"name": "SGD", "kwargs": OPTIMIZERS["SGD"][0]}
     return ex
 
 
@@ -349,6 +363,16 @@ REFUSED: list[Refusal] = [
     ("compression with a one-row torus across nodes", _one_row_compressed,
      lambda ex: ["collectives='torus2d'", f"compression={ex['compression']!r}", "no column stage"], "construction",
      "collectives.md"),
+    ("ShardedEmbeddingBag with local SGD", lambda ex: ex["model"]["bag"] and ex["sync_every"] > 1,
+     lambda ex: ["ShardedEmbeddingBag", f"sync_every={ex['sync_every']}"], "setup", "embedding.md"),
+    ("ShardedEmbeddingBag with the store", lambda ex: ex["model"]["bag"] and ex["store"] is not None,
+     lambda ex: ["ShardedEmbeddingBag", "state_store=", "both take the parameters' storage"], "setup",
+     "embedding.md"),
+    ("ShardedEmbeddingBag with node_sharded", lambda ex: ex["model"]["bag"] and _sharded(ex),
+     lambda ex: ["ShardedEmbeddingBag", "state='node_sharded'", "both take the parameters' storage"], "setup",
+     "embedding.md"),
+    ("ShardedEmbeddingBag with bf16-true", lambda ex: ex["model"]["bag"] and ex["precision"].startswith("bf16-true"),
+     lambda ex: ["ShardedEmbeddingBag", "float32 or float64", "bfloat16"], "setup", "embedding.md"),
     ("node_sharded with LBFGS", lambda ex: _sharded(ex) and ex["optimizer"]["name"] == "LBFGS",
      lambda ex: ["state='node_sharded'", "LBFGS"], "setup", "node_state.md"),
     ("bf16-true with LBFGS", lambda ex: ex["precision"].startswith("bf16-true") and ex["optimizer"]["name"] == "LBFGS",
@@ -393,6 +417,16 @@ def unrefuse(ex: dict) -> dict:
             ex["state"] = "replicated"
         elif name == "compression with a one-row torus across nodes":
             ex["torus_shape" if keep_sharded else "compression"] = [1, 4] if keep_sharded else None
+        elif name.startswith("ShardedEmbeddingBag") and keep_sharded:
+            ex["model"]["bag"] = False
+        elif name == "ShardedEmbeddingBag with local SGD":
+            ex["sync_every"] = 1
+        elif name == "ShardedEmbeddingBag with the store":
+            ex["store"] = None
+        elif name == "ShardedEmbeddingBag with node_sharded":
+            ex["state"] = "replicated"
+        elif name == "ShardedEmbeddingBag with bf16-true":
+            ex["precision"] = "64-true"
         elif "LBFGS" in name:
             ex["optimizer"] = {"name": "SGD", "kwargs": OPTIMIZERS["SGD"][1]}
         else:

@@ -43,6 +43,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from lightning_horizon import GradNormBackoff, HorizonPrecision, HorizonStrategy  # noqa: E402
+from lightning_horizon.embedding import tables_of  # noqa: E402
 from lightning_horizon.store import StoreConfig  # noqa: E402
 from tests.differential.models import BATCH, NodeAverage, RefClip, dataset, subject_class  # noqa: E402
 from tests.differential.space import COST_MODELS, EPOCH_STEPS, _sharded, n_optimizers, needs_unused  # noqa: E402
@@ -132,6 +133,16 @@ def strategy_of(spec: dict) -> Any:
     return HorizonStrategy(**kwargs)
 
 
+def whole_tables(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``weights`` with each sharded table whole (every rank's rows, gathered to every rank): as "ddp" holds it."""
+    for name, table in tables_of(model).items():
+        if table.placed:
+            shards: list[Any] = [None] * table.world
+            dist.all_gather_object(shards, table.weight.detach())
+            weights[f"{name}.weight"] = torch.cat(shards)
+    return weights
+
+
 def optimizer_states(trainer: L.Trainer) -> list[dict]:
     return [opt.state_dict() for opt in trainer.optimizers]
 
@@ -184,7 +195,8 @@ def fit(spec: dict, out: Path, seen: dict) -> dict:
     seen["phase"] = "after fit"
     result: dict[str, Any] = {
         "rank": trainer.global_rank, "global_step": trainer.global_step, "epoch": trainer.current_epoch,
-        "weights": true_weights(trainer, model), "buffers": {n: b.detach().clone() for n, b in model.named_buffers()},
+        "weights": whole_tables(model, true_weights(trainer, model)),
+        "buffers": {n: b.detach().clone() for n, b in model.named_buffers()},
         "optim": optimizer_states(trainer), "owned": recorder.owned, "losses": list(model.losses),
         "val_losses": list(model.val_losses), "eval": None, "initial": initial,
     }

@@ -1,0 +1,331 @@
+"""ShardedEmbeddingBag: an ``nn.EmbeddingBag`` whose rows HorizonStrategy spreads over the ranks, updated sparsely.
+
+Alone (one process, or before a fit places it) it is a plain embedding bag over the whole table. Once placed
+(:meth:`ShardedEmbeddingBag.place`, by HorizonStrategy at the start of a fit), rank ``r`` keeps rows
+``[r * ceil(N / W), ...)`` and a lookup goes:
+
+1. every id goes to the rank that owns its row (the ids and their bag numbers, swapped with every peer);
+2. each owner sums the rows it owns per bag (a partial pooled vector per bag of each peer's batch);
+3. the partial sums go back to the batch's rank, which adds them up (and divides by the bag's size, ``mean``).
+
+Backward runs the same way in reverse: a bag's gradient goes to every owner, which accumulates it into its own
+rows as a sparse gradient; no row of the table, nor its gradient, ever leaves its owner. What moves per step is
+the ids and ``batch x dim`` partial sums per peer, whatever the table's size.
+
+The step: the table's parameter stays in the user's optimizer (so its learning-rate schedule, clipping and
+GradNormBackoff's decisions apply), but that optimizer never sees its gradient: HorizonStrategy takes the touched
+rows' gradient before the step (:meth:`take_gradient`, averaged over the ranks as DDP averages the others), counts
+it in the global gradient norm and in clipping, and :meth:`sparse_step` updates only those rows with the table's
+own :mod:`sparse optimizer <lightning_horizon.embedding.sparse_optim>`, inside the user's optimizer step.
+
+``state_dict()`` holds the whole table under ``weight``, as ``nn.EmbeddingBag`` (a checkpoint loads into one with
+``strict=True``): on a placed table it is collective, as FSDP's full state dict (every rank calls it, as
+Lightning's checkpointing does), and the whole table is on rank 0 only; the others hold their own rows.
+``load_state_dict`` takes the whole table and keeps this rank's rows.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_horizon.checks import check_int, check_one_of, is_int, is_number, require
+from lightning_horizon.embedding import exchange
+from lightning_horizon.embedding.sparse_optim import SparseOptimizer, resolve
+
+MODES = ("sum", "mean")
+PLACEMENTS = ("rows", "table")
+BLOCK = 1 << 16  #: rows per generator of a seeded table (init_seed)
+
+
+class ShardedEmbeddingBag(nn.Module):
+    """Sums (or means) of embedding rows per bag, with the table's rows sharded over the ranks and updated sparsely.
+
+    Args:
+        num_embeddings: rows of the table.
+        embedding_dim: the size of each row.
+        mode: ``"sum"`` or ``"mean"`` of each bag's rows (``per_sample_weights`` with ``"sum"`` only).
+        optimizer: how the touched rows are stepped: ``"rowwise_adagrad"`` (default), ``"adagrad"``,
+            ``"rowwise_adam"``, ``"sgd"`` (their default hyperparameters) or an instance from
+            :mod:`lightning_horizon.embedding.sparse_optim` (``RowWiseAdagrad(lr=0.05)``).
+        dtype: of the table and its optimizer state: ``torch.float32`` or ``torch.float64``; ``None``: torch's
+            default dtype.
+        init_std: the rows start as draws of a normal distribution with this standard deviation (1.0, as
+            ``nn.EmbeddingBag``).
+        init_seed: ``None``: the rows are drawn at construction from torch's global generator, as
+            ``nn.EmbeddingBag`` draws them. A seed: each block of 65,536 rows from a generator of its own (this seed
+            and the block's number), drawn when the table is first used: a placed table draws only its own rows, so
+            a table larger than one rank's memory is never whole anywhere.
+        placement: ``"rows"``: every rank holds a block of the rows; ``"table"``: one rank holds the whole table
+            (the strategy spreads such tables over the ranks, largest first, each to the rank holding the fewest
+            bytes of them): for several small tables, whose rows would cost more to spread than to keep together.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, mode: str = "sum",
+                 optimizer: Union[str, SparseOptimizer] = "rowwise_adagrad",
+                 dtype: Optional[torch.dtype] = None, init_std: float = 1.0,
+                 init_seed: Optional[int] = None, placement: str = "rows") -> None:
+        super().__init__()
+        owner = type(self).__name__
+        check_int(owner, "num_embeddings", num_embeddings, 1)
+        check_int(owner, "embedding_dim", embedding_dim, 1)
+        check_one_of(owner, "mode", mode, MODES)
+        check_one_of(owner, "dtype", dtype, (None, torch.float32, torch.float64))
+        check_one_of(owner, "placement", placement, PLACEMENTS)
+        require(is_number(init_std, 0, include_low=True), owner, "init_std", init_std, "a number >= 0")
+        require(init_seed is None or (is_int(init_seed, 0) and init_seed < 2**38), owner, "init_seed", init_seed,
+                "None or an int in [0, 2**38)")
+        self.num_embeddings, self.embedding_dim, self.mode = num_embeddings, embedding_dim, mode
+        self.optimizer = resolve(optimizer, owner)
+        self.init_std, self.init_seed, self.placement = float(init_std), init_seed, placement
+        self.owner: Optional[int] = None  # placement="table": the rank that holds the table once placed
+        # a seeded table holds no row until first used (_drawn); .to(), .double() apply to the empty tensor alike
+        self.weight = nn.Parameter(torch.empty(num_embeddings if init_seed is None else 0, embedding_dim,
+                                               dtype=dtype))
+        self._drawn = init_seed is None
+        if self._drawn:
+            nn.init.normal_(self.weight, std=self.init_std)  # as nn.EmbeddingBag
+        #: the sparse optimizer's per-row state of the rows this rank holds (created at the first step)
+        self.optimizer_state: dict[str, Tensor] = {}
+        self.rank, self.world, self.group = 0, 1, None
+        self._pending: Optional[tuple[Tensor, Tensor]] = None  # (rows, their gradient), taken before the step
+        #: bytes this rank has sent for lookups (ids, partial sums and, where autograd records, their gradients)
+        self.sent_bytes = 0
+        self._register_load_state_dict_pre_hook(self._keep_own_rows)
+
+    # ------------------------------------------------------------------ placement
+
+    @property
+    def bounds(self) -> list[tuple[int, int]]:
+        """The rows ``[lo, hi)`` each rank holds."""
+        n = self.num_embeddings
+        if self.owner is not None:  # one rank holds them all; the empty ranges keep the starts in order
+            return [(0, 0) if r < self.owner else (0, n) if r == self.owner else (n, n) for r in range(self.world)]
+        per = math.ceil(self.num_embeddings / self.world)
+        return [(min(r * per, self.num_embeddings), min((r + 1) * per, self.num_embeddings))
+                for r in range(self.world)]
+
+    @property
+    def rows(self) -> tuple[int, int]:
+        """The rows ``[lo, hi)`` this rank holds."""
+        return self.bounds[self.rank]
+
+    @property
+    def placed(self) -> bool:
+        return self.world > 1
+
+    def place(self, rank: int, world: int, group: Any, owner: Optional[int] = None) -> None:
+        """Keep rows ``bounds[rank]`` of the table (and of its optimizer state) and look up the others over
+        ``group`` (every rank, each calling this with its own rank); ``owner``: the rank that holds a
+        ``placement="table"`` table. A table already placed alike stays."""
+        if (rank, world, owner) == (self.rank, self.world, self.owner):
+            self.group = group
+            return
+        if self.placed:
+            raise RuntimeError(f"{type(self).__name__} is placed on {self.world} ranks; it cannot move to {world}")
+        if (owner is None) != (self.placement == "rows"):
+            raise ValueError(f"{type(self).__name__}(placement={self.placement!r}): owner={owner!r}")
+        self.rank, self.world, self.group, self.owner = rank, world, group, owner
+        lo, hi = self.rows
+        # .data keeps the Parameter (the optimizer's reference) and frees the other rows
+        self.weight.data = self.weight.data[lo:hi].clone() if self._drawn else self._draw(lo, hi)
+        self._drawn = True
+        self.optimizer_state = {k: v[lo:hi].clone() for k, v in self.optimizer_state.items()}
+
+    def _draw(self, lo: int, hi: int) -> Tensor:
+        """Rows ``[lo, hi)`` of a seeded table: the blocks of :data:`BLOCK` rows that hold them, each from its own
+        generator (the same rows whoever draws them)."""
+        out = torch.empty(hi - lo, self.embedding_dim, dtype=self.weight.dtype)
+        for block in range(lo // BLOCK, -(-hi // BLOCK)):
+            start = block * BLOCK
+            g = torch.Generator().manual_seed((self.init_seed << 24) + block)
+            rows = torch.randn(min(BLOCK, self.num_embeddings - start), self.embedding_dim, generator=g,
+                               dtype=self.weight.dtype).mul_(self.init_std)
+            a, b = max(lo, start), min(hi, start + rows.shape[0])
+            out[a - lo:b - lo] = rows[a - start:b - start]
+        return out
+
+    def _ensure_drawn(self) -> None:
+        if not self._drawn:
+            self.weight.data = self._draw(*self.rows)
+            self._drawn = True
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, input: Tensor, offsets: Optional[Tensor] = None,
+                per_sample_weights: Optional[Tensor] = None) -> Tensor:
+        """As ``nn.EmbeddingBag.forward``: ``input`` 2-D (one bag per row) or 1-D with ``offsets`` (each bag's
+        start); returns ``[bags, embedding_dim]``."""
+        self._ensure_drawn()
+        ids, bag, bags = _bags(input, offsets)
+        if per_sample_weights is not None:
+            if self.mode != "sum":
+                raise ValueError(f"{type(self).__name__}(mode={self.mode!r}): per_sample_weights need mode='sum'")
+            per_sample_weights = per_sample_weights.reshape(-1)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
+            raise IndexError(f"{type(self).__name__}: ids must be in [0, {self.num_embeddings}); got"
+                             f" [{int(ids.min())}, {int(ids.max())}]")
+        if self.placed:
+            pooled = self._lookup_sharded(ids, bag, bags, per_sample_weights)
+        else:
+            pooled = _pool(self.weight, ids, bag, bags, per_sample_weights)
+        if self.mode == "mean":
+            size = torch.bincount(bag, minlength=bags).clamp_(min=1).to(pooled.dtype)
+            pooled = pooled / size.unsqueeze(1)
+        return pooled
+
+    def _lookup_sharded(self, ids: Tensor, bag: Tensor, bags: int, weights: Optional[Tensor]) -> Tensor:
+        starts = torch.tensor([lo for lo, _ in self.bounds])
+        owner = torch.searchsorted(starts, ids, right=True) - 1  # the last rank whose rows start at or before
+        order = torch.argsort(owner, stable=True)
+        send = torch.bincount(owner, minlength=self.world)
+        # what each peer sends here: its ids' count and its batch's bags
+        counts = torch.stack([send, torch.full_like(send, bags)], dim=1)
+        got = exchange.swap_counts(counts, self.group, self.rank)
+        send_n, recv_n, peer_bags = send.tolist(), got[:, 0].tolist(), got[:, 1].tolist()
+        columns = [(ids - starts[owner])[order], bag[order]]
+        if weights is not None:
+            columns.append(weights[order].to(self.weight.dtype))
+        routed = [exchange.swap_blocks(c, send_n, recv_n, self.group, self.rank) for c in columns]
+        others = [p for p in range(self.world) if p != self.rank]
+        row = self.embedding_dim * self.weight.element_size()
+        sums = sum(peer_bags[p] for p in others) * row + (len(others) * bags * row if torch.is_grad_enabled() else 0)
+        self.sent_bytes += (counts[others].numel() * 8 + sum(send_n[p] for p in others)
+                            * sum(c.element_size() for c in columns) + sums)
+        # the bags of peer p's batch are numbered after those of peers 0..p-1 here
+        base = torch.repeat_interleave(torch.tensor([0] + peer_bags[:-1]).cumsum(0), torch.tensor(recv_n))
+        partial = _pool(self.weight, routed[0], routed[1] + base, sum(peer_bags), routed[2] if weights is not None
+                        else None)
+        back = exchange.SwapBlocks.apply(partial, peer_bags, [bags] * self.world, self.group, self.rank)
+        return back.view(self.world, bags, -1).sum(0)
+
+    # ------------------------------------------------------------------ the step (called by HorizonStrategy)
+
+    def take_gradient(self) -> bool:
+        """Move the table's gradient (sparse or dense) out of ``weight.grad``, averaged over the ranks as DDP
+        averages the others', so that the user's optimizer steps no row; True when there is one."""
+        grad, self.weight.grad = self.weight.grad, None
+        if grad is None:
+            return False
+        if grad.is_sparse:
+            grad = grad.coalesce()
+            rows, values = grad.indices()[0], grad.values()
+        else:  # a dense gradient (a user's own F.embedding on .weight): its nonzero rows
+            rows = grad.abs().sum(1).nonzero().squeeze(1)
+            values = grad[rows]
+        self._pending = (rows, values / self.world)
+        return True
+
+    def gradient_share(self, norm_type: float) -> Tensor:
+        """This rank's part of the taken gradient's norm: the sum of ``|g|^p`` (the max for the inf-norm)."""
+        if self._pending is None or not self._pending[1].numel():
+            return torch.zeros((), dtype=torch.promote_types(torch.float32, self.weight.dtype))
+        values = self._pending[1].to(torch.promote_types(torch.float32, self.weight.dtype))
+        if math.isinf(norm_type):
+            return values.abs().max()
+        return torch.linalg.vector_norm(values, norm_type).pow(norm_type)
+
+    def scale_gradient(self, factor: Tensor) -> None:
+        if self._pending is not None:
+            self._pending[1].mul_(factor.to(self._pending[1].dtype))
+
+    def clamp_gradient(self, clip_val: float) -> None:
+        if self._pending is not None:
+            self._pending[1].clamp_(-clip_val, clip_val)
+
+    def drop_gradient(self) -> None:
+        """Forget the taken gradient: the step touches no row."""
+        self._pending = None
+
+    @torch.no_grad()
+    def sparse_step(self, lr: Optional[float] = None) -> None:
+        """Update the rows of the taken gradient with the table's optimizer at ``lr`` (``None``: its own)."""
+        lr = self.optimizer.lr if lr is None else lr
+        if lr is None:
+            raise ValueError(f"{type(self).__name__}: optimizer={self.optimizer} takes its parameter group's lr;"
+                             " pass sparse_step(lr=...) when stepping it yourself")
+        if self._pending is None:
+            return
+        rows, grad = self._pending
+        self._pending = None
+        if not self.optimizer_state:
+            self.optimizer_state = self.optimizer.init_state(self.rows[1] - self.rows[0], self.embedding_dim,
+                                                             self.weight.dtype)
+        self.optimizer.step(self.weight.data, self.optimizer_state, rows, grad.to(self.weight.dtype), lr)
+
+    # ------------------------------------------------------------------ state
+
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        self._ensure_drawn()
+        if not self.placed:
+            return super()._save_to_state_dict(destination, prefix, keep_vars)
+        full = exchange.gather_rows(self.weight.detach(), self.bounds, self.group, self.rank)
+        destination[prefix + "weight"] = full if full is not None else self.weight.detach()
+
+    def _keep_own_rows(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        weight = state_dict.get(prefix + "weight")
+        if weight is not None and not self._drawn:  # the loaded rows replace the drawn ones: none need drawing
+            lo, hi = self.rows
+            self.weight.data = torch.empty(hi - lo, self.embedding_dim, dtype=self.weight.dtype)
+            self._drawn = True
+        if self.placed and weight is not None and weight.shape[0] == self.num_embeddings:
+            lo, hi = self.rows
+            state_dict[prefix + "weight"] = weight[lo:hi]
+
+    def optimizer_state_bytes(self) -> int:
+        """Bytes the sparse optimizer's state of this rank's rows takes, or will once the first step creates it."""
+        if self.optimizer_state:
+            return 0  # allocated already: resident, not to come
+        per_row = self.optimizer.init_state(1, self.embedding_dim, self.weight.dtype)
+        return (self.rows[1] - self.rows[0]) * sum(t.numel() * t.element_size() for t in per_row.values())
+
+    def full_optimizer_state(self) -> Optional[dict[str, Tensor]]:
+        """The optimizer state of every row on rank 0 (``None`` elsewhere); collective on a placed table."""
+        if not self.placed:
+            return dict(self.optimizer_state)
+        names = sorted(self.optimizer.init_state(0, self.embedding_dim, self.weight.dtype))
+        if not self.optimizer_state and names:  # before the first step: zeros, as init_state makes them
+            self.optimizer_state = self.optimizer.init_state(self.rows[1] - self.rows[0], self.embedding_dim,
+                                                             self.weight.dtype)
+        full = {k: exchange.gather_rows(self.optimizer_state[k], self.bounds, self.group, self.rank) for k in names}
+        return full if self.rank == 0 else None
+
+    def load_full_optimizer_state(self, state: dict[str, Tensor]) -> None:
+        """Take this rank's rows of a whole table's optimizer state (from any number of ranks)."""
+        lo, hi = self.rows
+        self.optimizer_state = {k: v[lo:hi].clone().to(self.weight.dtype) for k, v in state.items()}
+
+    def extra_repr(self) -> str:
+        placed = f", rows={self.rows} of {self.world} ranks" if self.placed else ""
+        placed = f", placement={self.placement!r}{placed}" if self.placement != "rows" else placed
+        return (f"{self.num_embeddings}, {self.embedding_dim}, mode={self.mode!r},"
+                f" optimizer={self.optimizer}{placed}")
+
+
+def _bags(input: Tensor, offsets: Optional[Tensor]) -> tuple[Tensor, Tensor, int]:
+    """The ids (1-D), each id's bag number and the number of bags, from ``nn.EmbeddingBag``'s two input forms."""
+    if input.dim() == 2:
+        if offsets is not None:
+            raise ValueError("ShardedEmbeddingBag: offsets must be None with 2-D input (one bag per row)")
+        bags, size = input.shape
+        return input.reshape(-1), torch.arange(bags).repeat_interleave(size), bags
+    if input.dim() != 1 or offsets is None or offsets.dim() != 1:
+        raise ValueError("ShardedEmbeddingBag: input is 2-D (bags x ids), or 1-D with 1-D offsets (each bag's start)")
+    bags = offsets.numel()
+    sizes = torch.diff(offsets, append=torch.tensor([input.numel()], dtype=offsets.dtype))
+    return input, torch.arange(bags).repeat_interleave(sizes), bags
+
+
+def _pool(weight: Tensor, ids: Tensor, bag: Tensor, bags: int, weights: Optional[Tensor]) -> Tensor:
+    """Per bag, the sum of the rows ``ids`` (times ``weights``); the gradient reaches ``weight`` as a sparse one."""
+    rows = F.embedding(ids, weight, sparse=True)
+    if weights is not None:
+        rows = rows * weights.unsqueeze(1)
+    return rows.new_zeros((bags, weight.shape[1])).index_add(0, bag, rows)
+
+
+__all__ = ["BLOCK", "MODES", "PLACEMENTS", "ShardedEmbeddingBag"]

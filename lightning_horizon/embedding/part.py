@@ -1,0 +1,173 @@
+"""The strategy part of the sharded embedding tables: placed before DDP, stepped sparsely inside the user's step.
+
+Its rows in the lifecycle (parts.py):
+
+- born before DDP wraps the module (fit_parts.py): every :class:`ShardedEmbeddingBag` keeps its rows
+  (:meth:`ShardedEmbeddingBag.place`, over a process group of the tables' own; a ``placement="table"`` table
+  whole on one rank, :func:`table_owners`) and its parameter is kept out of DDP (its gradient never crosses the
+  wire; the lookups do);
+- ``connect``: each table must sit in one of the user's optimizers (its parameter groups' learning-rate schedule and
+  GradNormBackoff's decisions then apply to it); that optimizer's state for it, if it made one eagerly (Adagrad),
+  is dropped; the table's gradient is registered with the training state, so the global norm, clipping and a
+  skip count it;
+- ``gradients_ready``: each table takes its gradient out of ``weight.grad`` before the optimizer reads them;
+- the user's optimizer step: a post-hook of that optimizer steps the touched rows, while the step's lr is in
+  place (the schedule's, times GradNormBackoff's backoff): the group's lr, or the table's own times the group's
+  lr over its initial lr (sparse_optim.py);
+- ``state_dict``: every table's optimizer state, whole on rank 0 (:attr:`layout_free`): it loads into any world
+  size. The tables stay placed after the fit (validate, test, predict and ``trainer.save_checkpoint`` look them up
+  over the ranks as the fit did).
+"""
+
+from __future__ import annotations
+
+import logging
+from types import MappingProxyType
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch.utilities.enums import GradClipAlgorithmType
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_horizon.embedding.bag import ShardedEmbeddingBag
+from lightning_horizon.node_state.clipping import clip
+from lightning_horizon.optim import torch_optimizer
+from lightning_horizon.parts import PARAMETERS, Part
+from lightning_horizon.state import TrainingState
+
+log = logging.getLogger("lightning_horizon.embedding")
+
+
+def tables_of(module: nn.Module) -> dict[str, ShardedEmbeddingBag]:
+    """The module's sharded tables by name."""
+    return {name: m for name, m in module.named_modules() if isinstance(m, ShardedEmbeddingBag)}
+
+
+class EmbeddingTables(Part):
+    """The sharded tables of one module: placement, their gradients' way to the norm, their sparse step."""
+
+    label = "ShardedEmbeddingBag"
+    takes = MappingProxyType({PARAMETERS: "the tables' rows, sharded over the ranks"})
+    layout_free = True
+
+    def __init__(self, module: nn.Module, training_state: TrainingState, rank: int, world: int, group: Any) -> None:
+        self.tables = tables_of(module)
+        self.training_state = training_state
+        self.rank, self.world, self.group = rank, world, group
+        self._hooks: list[Any] = []
+        self._reported = 0  # sent bytes counted up to the last comm_metrics
+
+    def place(self, model: nn.Module) -> None:
+        """Keep this rank's rows of every table, and keep the tables out of DDP (before it wraps ``model``; with
+        one process too: what DDP ignores, no part expects a gradient of)."""
+        mine = {id(t.weight) for t in self.tables.values()}
+        ignored = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
+        names = [n for n, p in model.named_parameters() if id(p) in mine and n not in ignored]
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored + names)
+        if self.world > 1:
+            owners = table_owners(self.tables, self.world)
+            for name, table in self.tables.items():
+                table.place(self.rank, self.world, self.group, owners.get(name))
+
+    def refuses(self, optimizer: Any) -> Optional[str]:
+        if isinstance(optimizer, torch.optim.LBFGS) and self._holds(optimizer):
+            return ("LBFGS evaluates its closure several times per step; a sharded table steps once, with its own"
+                    " sparse optimizer (keep the table out of LBFGS's parameters)")
+        return None
+
+    def connect(self, trainer: Any, module: nn.Module, optimizers: list[Any]) -> None:
+        self.teardown()
+        opts = [torch_optimizer(o) for o in optimizers]
+        stepped: dict[Any, list[tuple[ShardedEmbeddingBag, int, float]]] = {}
+        for name, table in self.tables.items():
+            if table.weight.dtype not in (torch.float32, torch.float64):
+                raise ValueError(
+                    f"ShardedEmbeddingBag {name!r} keeps its table and optimizer state in float32 or float64; the"
+                    f" precision plugin made it {table.weight.dtype} (use HorizonPrecision('bf16-mixed') or"
+                    " 'auto': bf16 matmuls elsewhere, the table in fp32)")
+            found = [(o, i) for o in opts for i, g in enumerate(o.param_groups)
+                     if any(p is table.weight for p in g["params"])]
+            if not found:
+                raise ValueError(
+                    f"ShardedEmbeddingBag {name!r} is in none of the optimizers: configure_optimizers must give it one"
+                    " (e.g. self.parameters()); that optimizer never steps the table itself, its sparse optimizer"
+                    f" ({table.optimizer}) does, with the group's learning-rate schedule, clipping and skips")
+            opt, index = found[0]
+            opt.state.pop(table.weight, None)  # eager state (Adagrad's) the optimizer will never use
+            group = opt.param_groups[index]  # by index at each step: loading a state replaces the group dicts
+            stepped.setdefault(opt, []).append((table, index, float(group.get("initial_lr", group["lr"]))))
+            self.training_state.register_sparse(table.weight, table, self.group)
+        for opt, entries in stepped.items():
+            self._hooks.append(opt.register_step_post_hook(lambda o, *_, e=entries: _step(o, e)))
+
+    def gradients_ready(self) -> None:
+        for table in self.tables.values():
+            table.take_gradient()
+
+    def clip_gradients(self, plugin: Any, optimizer: Any, clip_val: float, algorithm: Any) -> bool:
+        """By norm: the norm and the clip count the tables' gradients (the training state's). By value: each
+        table's gradient is clamped alike, then the plugin clips the rest. Either way the gradients are taken first
+        (manual optimization clips before the step)."""
+        held = [t for t in self.tables.values() if self._holds(torch_optimizer(optimizer), t)]
+        if not held:
+            return False
+        for t in held:  # manual optimization clips before the step's gradients_ready
+            t.take_gradient()
+        if algorithm == GradClipAlgorithmType.VALUE:
+            for t in held:
+                t.clamp_gradient(clip_val)
+            return False
+        return clip(plugin, self.training_state, optimizer, clip_val, algorithm)
+
+    def comm_metrics(self) -> dict[str, float]:
+        """The bytes this rank sent for the tables' lookups since the last call (the last step's)."""
+        sent = sum(t.sent_bytes for t in self.tables.values())
+        out = {"comm/embedding_bytes": float(sent - self._reported)}
+        self._reported = sent
+        return out
+
+    def teardown(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        self.training_state.unregister_sparse()
+        for table in self.tables.values():
+            table.drop_gradient()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every table's optimizer state, whole, on rank 0 (collective: every rank calls it at each save)."""
+        return {name: table.full_optimizer_state() for name, table in self.tables.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name, saved in state.items():
+            if name in self.tables and saved:
+                self.tables[name].load_full_optimizer_state(saved)
+
+    def _holds(self, optimizer: Any, table: Optional[ShardedEmbeddingBag] = None) -> bool:
+        weights = [t.weight for t in ([table] if table is not None else self.tables.values())]
+        return any(p is w for g in optimizer.param_groups for p in g["params"] for w in weights)
+
+
+def table_owners(tables: dict[str, ShardedEmbeddingBag], world: int) -> dict[str, int]:
+    """The rank of each ``placement="table"`` table: largest first, each to the rank holding the fewest rows x
+    width of them so far (ties: the lowest rank); the same on every rank."""
+    held, out = [0] * world, {}
+    whole = [(n, t) for n, t in tables.items() if t.placement == "table"]
+    for name, table in sorted(whole, key=lambda nt: -nt[1].num_embeddings * nt[1].embedding_dim):
+        rank = held.index(min(held))
+        out[name] = rank
+        held[rank] += table.num_embeddings * table.embedding_dim
+    return out
+
+
+def _step(optimizer: Any, entries: list[tuple[ShardedEmbeddingBag, int, float]]) -> None:
+    """After ``optimizer``'s step, while its lrs are the step's: each table's rows, at its group's lr (or at its own
+    times the group's factor, sparse_optim.py)."""
+    for table, index, initial in entries:
+        lr = float(optimizer.param_groups[index]["lr"])
+        own = table.optimizer.lr
+        table.sparse_step(lr if own is None else own * (lr / initial if initial else 1.0))
+
+
+__all__ = ["EmbeddingTables", "table_owners", "tables_of"]

@@ -1,0 +1,305 @@
+"""ShardedEmbeddingBag: lookups, sparse optimizers and their composition with HorizonStrategy, against references.
+
+In one process: the module equals ``nn.EmbeddingBag`` (forward and gradient), each sparse optimizer equals its
+definition (SparseAdagrad: ``torch.optim.Adagrad`` on sparse gradients), bad arguments fail naming themselves.
+
+In real gloo fits (tests/scripts/embedding_fit.py; one launch of 4 ranks, then one of 2), in float64: the losses,
+the dense weights and every row of the tables (one row-sharded, two held whole by one rank each) equal a
+single-process reference that takes the same steps on the
+whole batch: with SGD, plain ``nn.EmbeddingBag`` + ``torch.optim.SGD`` (dense, the optimizers coincide); with the
+sparse optimizers, the unplaced module stepping itself; GradNormBackoff's and Lightning's clipping by the global norm
+(the tables' gradients counted); the saved table loads into ``nn.EmbeddingBag`` with ``strict=True``; a checkpoint
+of 4 ranks resumes on 2 (and one of 2 on 2) as if never interrupted; validate after fit gives the reference's loss.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_horizon.embedding import (RowWiseAdagrad, RowWiseAdam, ShardedEmbeddingBag, SparseAdagrad,
+                                        table_owners, tables_of)
+from tests.launch import REPO, run_script
+from tests.scripts.embedding_fit import BATCH, CLIP, ROWS, SMALL, Risk, dataset
+
+FIT = REPO / "tests" / "scripts" / "embedding_fit.py"
+STEPS = 3
+
+RUNS_4 = [
+    {"name": "sgd", "optimizer": "sgd", "steps": STEPS},
+    {"name": "rwa", "optimizer": "rowwise_adagrad", "dense": "AdamW", "clip": "backoff", "weights": True,
+     "steps": STEPS},
+    {"name": "adagrad", "optimizer": "adagrad", "mode": "mean", "clip": "trainer-norm", "steps": STEPS},
+    {"name": "adam", "optimizer": "rowwise_adam", "dense": "AdamW", "steps": STEPS},
+    {"name": "half", "optimizer": "rowwise_adagrad", "dense": "AdamW", "steps": 2},  # resumed on 2 ranks
+]
+# one batch per epoch: every resumed step takes the same data, wherever Lightning's loop resumes its epoch
+RESUME = {"optimizer": "rowwise_adagrad", "dense": "AdamW", "steps": 4, "epoch_steps": 1}
+RUNS_2 = [
+    {"name": "sgd", "optimizer": "sgd", "steps": STEPS},
+    {"name": "rwa", "optimizer": "rowwise_adagrad", "dense": "AdamW", "clip": "backoff", "weights": True,
+     "steps": STEPS},
+    {"name": "own", "optimizer": "rowwise_adagrad", "dense": "AdamW", "steps": 2},
+]
+
+
+@pytest.fixture(scope="module")
+def fits(tmp_path_factory) -> dict[int, Path]:
+    work = tmp_path_factory.mktemp("embedding")
+    out = {4: work / "w4", 2: work / "w2"}
+    for world, runs in ((4, RUNS_4), (2, RUNS_2)):
+        out[world].mkdir()
+        if world == 2:  # the 4-rank checkpoint resumes on 2 ranks; the 2-rank one on 2
+            runs = runs + [{**RESUME, "name": "from4", "resume_from": str(out[4] / "half.ckpt")},
+                           {**RESUME, "name": "from2", "resume_from": str(out[2] / "own.ckpt")}]
+        cfg = out[world] / "cfg.json"
+        cfg.write_text(json.dumps({"world": world, "runs": runs}))
+        run_script(FIT, [cfg, out[world]], timeout=300)
+    return out
+
+
+def reference(cfg: dict, blocks: list[tuple[int, int]]) -> tuple[Risk, list[float]]:
+    """One process, the unplaced module, the same steps on each step's whole batch (``blocks``: ``(world,
+    epoch_steps)`` of each step's data)."""
+    torch.manual_seed(0)
+    model = Risk(cfg["optimizer"], cfg.get("dense", "SGD"), cfg.get("mode", "sum"), cfg.get("weights", False))
+    opt = model.configure_optimizers()
+    losses = []
+    for step, (world, epoch_steps) in enumerate(blocks):
+        n = world * BATCH
+        k = step % epoch_steps
+        data = dataset(n * epoch_steps)[k * n:(k + 1) * n]
+        loss = model.loss(data)
+        opt.zero_grad()
+        loss.backward()
+        losses.append(float(loss.detach()))
+        tables = list(tables_of(model).values())
+        for t in tables:
+            t.take_gradient()
+        if cfg.get("clip"):
+            dense = [p.grad for p in model.parameters() if p.grad is not None]
+            norm = torch.sqrt(sum((g * g).sum() for g in dense) + sum(t.gradient_share(2.0) for t in tables))
+            coef = torch.clamp(CLIP / (norm + 1e-6), max=1.0)
+            for g in dense:
+                g.mul_(coef)
+            for t in tables:
+                t.scale_gradient(coef)
+        opt.step()
+        for t in tables:
+            t.sparse_step()
+    return model, losses
+
+
+def load(folder: Path, name: str) -> tuple[dict, dict]:
+    error = folder / f"{name}.error"
+    assert not error.exists(), error.read_text()
+    return torch.load(folder / f"{name}.pt"), torch.load(folder / f"{name}.ckpt", weights_only=False)
+
+
+def assert_matches(folder: Path, name: str, model: Risk, losses: list[float]) -> None:
+    result, ckpt = load(folder, name)
+    assert result["losses"] == pytest.approx(losses, rel=1e-10)
+    state = ckpt["state_dict"]
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(state[key], value, rtol=1e-10, atol=1e-12, msg=lambda m: f"{name} {key}: {m}")
+    plain = nn.EmbeddingBag(ROWS, state["emb.weight"].shape[1], dtype=torch.float64)
+    plain.load_state_dict({"weight": state["emb.weight"]}, strict=True)
+    plain = nn.EmbeddingBag(SMALL[1], state["smalls.1.weight"].shape[1], dtype=torch.float64)
+    plain.load_state_dict({"weight": state["smalls.1.weight"]}, strict=True)  # held whole by rank 1
+
+
+@pytest.mark.parametrize("world, name", [(4, "sgd"), (4, "rwa"), (4, "adagrad"), (4, "adam"), (2, "sgd"), (2, "rwa")])
+def test_fit_equals_single_process_reference(fits, world, name):
+    cfg = {r["name"]: r for r in (RUNS_4 if world == 4 else RUNS_2)}[name]
+    model, losses = reference(cfg, [(world, cfg["steps"])] * cfg["steps"])
+    assert_matches(fits[world], name, model, losses)
+    # validate after fit, on the placed tables: the reference's loss on the same data
+    result, _ = load(fits[world], name)
+    with torch.no_grad():
+        val = [float(model.loss(dataset(world * BATCH * 2, seed=2)[i * BATCH:(i + 1) * BATCH]))
+               for i in range(world * 2)]
+    assert result["val_loss"] == pytest.approx(sum(val) / len(val), rel=1e-10)
+
+
+def test_sgd_equals_plain_embedding_bag_with_torch_sgd(fits):
+    """SGD on the touched rows is SGD on the dense table (untouched rows get a zero gradient)."""
+    torch.manual_seed(0)
+    model = Risk("sgd")
+    plains = [nn.EmbeddingBag(t.num_embeddings, t.embedding_dim, mode="sum", dtype=torch.float64)
+              for t in (model.emb, *model.smalls)]
+    for plain, t in zip(plains, (model.emb, *model.smalls)):
+        plain.weight.data.copy_(t.weight.data)
+    head = model.head
+    opt = torch.optim.SGD([*(p.weight for p in plains), *head.parameters()], lr=0.5)
+    data = dataset(4 * BATCH * STEPS)
+    for k in range(STEPS):
+        ids, _, labels = data[k * 4 * BATCH:(k + 1) * 4 * BATCH]
+        pooled = plains[0](ids) + sum(p(ids % n) for p, n in zip(plains[1:], SMALL))
+        loss = F.binary_cross_entropy_with_logits(head(pooled).squeeze(1), labels)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    _, ckpt = load(fits[4], "sgd")
+    for name, plain in zip(("emb", "smalls.0", "smalls.1"), plains):
+        torch.testing.assert_close(ckpt["state_dict"][f"{name}.weight"], plain.weight.detach(), rtol=1e-10,
+                                   atol=1e-12)
+
+
+@pytest.mark.parametrize("name, first", [("from4", 4), ("from2", 2)])
+def test_resume_into_another_world_size(fits, name, first):
+    model, losses = reference(RESUME, [(first, 2), (first, 2), (2, 1), (2, 1)])
+    assert_matches(fits[2], name, model, losses[2:])
+
+
+# ---------------------------------------------------------------------------------------------- one process
+
+
+def test_module_equals_embedding_bag_forward_and_gradient():
+    torch.manual_seed(0)
+    for mode in ("sum", "mean"):
+        ours = ShardedEmbeddingBag(20, 3, mode=mode, dtype=torch.float64)
+        plain = nn.EmbeddingBag(20, 3, mode=mode, dtype=torch.float64)
+        plain.weight.data.copy_(ours.weight.data)
+        ids, offsets = torch.tensor([1, 2, 2, 19, 0, 5]), torch.tensor([0, 3, 3, 4])  # an empty bag
+        torch.testing.assert_close(ours(ids, offsets), plain(ids, offsets))
+        ours(ids, offsets).pow(2).sum().backward()
+        plain(ids, offsets).pow(2).sum().backward()
+        torch.testing.assert_close(ours.weight.grad.to_dense(), plain.weight.grad)
+    w = torch.rand(6, dtype=torch.float64)
+    torch.testing.assert_close(ours.__class__(20, 3, dtype=torch.float64).to(torch.float64)(ids, offsets, w).shape,
+                               torch.Size([4, 3]))
+
+
+def test_sparse_adagrad_equals_torch_adagrad_on_sparse_gradients():
+    torch.manual_seed(0)
+    ours = ShardedEmbeddingBag(10, 3, optimizer=SparseAdagrad(lr=0.3), dtype=torch.float64)
+    plain = nn.EmbeddingBag(10, 3, mode="sum", sparse=True, dtype=torch.float64)
+    plain.weight.data.copy_(ours.weight.data)
+    opt = torch.optim.Adagrad(plain.parameters(), lr=0.3)
+    for ids in (torch.tensor([[1, 2], [2, 7]]), torch.tensor([[7, 7], [0, 1]])):
+        ours(ids).sum().backward()
+        ours.take_gradient()
+        ours.sparse_step()
+        opt.zero_grad()
+        plain(ids).sum().backward()
+        opt.step()
+        torch.testing.assert_close(ours.weight.data, plain.weight.data, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(ours.optimizer_state["sum"], opt.state[plain.weight]["sum"])
+
+
+def test_rowwise_optimizers_follow_their_definitions():
+    """Row-wise Adagrad and Adam, written out per row: untouched rows, their state and step counts stay."""
+    rows, grad = torch.tensor([0, 3]), torch.tensor([[1.0, 3.0], [0.5, -0.5]], dtype=torch.float64)
+    w0 = torch.arange(8, dtype=torch.float64).view(4, 2)
+    w, opt = w0.clone(), RowWiseAdagrad(lr=0.1, eps=1e-8)
+    state = opt.init_state(4, 2, torch.float64)
+    for _ in range(2):
+        opt.step(w, state, rows, grad, 0.05)
+    acc = torch.tensor([5.0, 0.25], dtype=torch.float64)  # mean(g*g) per row
+    expect = w0.clone()
+    for t in (1, 2):
+        expect[rows] -= 0.05 * grad / (torch.sqrt(acc * t) + 1e-8).unsqueeze(1)
+    torch.testing.assert_close(w, expect)
+    assert state["sum"][1:3].eq(0).all() and torch.equal(w[1:3], w0[1:3])
+
+    w, opt = w0.clone(), RowWiseAdam(lr=0.1, betas=(0.8, 0.9), eps=1e-8)
+    state = opt.init_state(4, 2, torch.float64)
+    opt.step(w, state, rows, grad, 0.1)
+    opt.step(w, state, rows[:1], grad[:1], 0.1)  # row 3 not touched the second time
+    m, v, expect = torch.zeros(2), 0.0, w0[0].clone()
+    for t in (1, 2):
+        m = 0.8 * m + 0.2 * grad[0]
+        v = 0.9 * v + 0.1 * 5.0
+        expect -= 0.1 * (m / (1 - 0.8 ** t)) / (math.sqrt(v / (1 - 0.9 ** t)) + 1e-8)
+    torch.testing.assert_close(w[0], expect)
+    assert state["step"].tolist() == [2.0, 0.0, 0.0, 1.0]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"num_embeddings": 0}, r"num_embeddings=0\): allowed is an int >= 1"),
+    ({"mode": "max"}, r"mode='max'\): allowed is one of \('sum', 'mean'\)"),
+    ({"optimizer": "adamw"}, r"optimizer='adamw'\): allowed is one of"),
+    ({"dtype": torch.bfloat16}, r"dtype=torch.bfloat16\): allowed is one of"),
+])
+def test_bad_arguments_name_themselves(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ShardedEmbeddingBag(**{"num_embeddings": 10, "embedding_dim": 2, **kwargs})
+
+
+def test_ids_out_of_range_and_weights_with_mean_are_refused():
+    bag = ShardedEmbeddingBag(10, 2, mode="mean")
+    with pytest.raises(IndexError, match=r"ids must be in \[0, 10\); got \[0, 10\]"):
+        bag(torch.tensor([[0, 10]]))
+    with pytest.raises(ValueError, match="per_sample_weights need mode='sum'"):
+        bag(torch.tensor([[0, 1]]), per_sample_weights=torch.ones(1, 2))
+
+
+class _Refused(Risk):
+    def __init__(self, case: str) -> None:
+        super().__init__("rowwise_adagrad", dtype=torch.float32)
+        self.case = case
+        self.data = dataset(8)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(self.data, batch_size=BATCH)
+
+    def configure_optimizers(self):
+        if self.case == "lbfgs":
+            return torch.optim.LBFGS(self.parameters())
+        if self.case == "not-in-optimizer":
+            return torch.optim.SGD(self.head.parameters(), lr=0.1)
+        return super().configure_optimizers()
+
+
+@pytest.mark.parametrize("case, extra, match", [
+    ("lbfgs", {}, "ShardedEmbeddingBag cannot step LBFGS: LBFGS evaluates its closure several times"),
+    ("not-in-optimizer", {}, "ShardedEmbeddingBag 'emb' is in none of the optimizers"),
+    ("bf16-true", {"precision": "bf16-true"}, "keeps its table and optimizer state in float32 or float64; the"
+     " precision plugin made it torch.bfloat16"),
+    ("store", {"strategy_kwargs": {"state_store": "auto"}}, "both take the parameters' storage"),
+])
+def test_what_cannot_compose_is_refused_by_name(tmp_path, case, extra, match):
+    import lightning as L
+
+    from lightning_horizon import HorizonStrategy
+
+    extra = dict(extra)
+    strategy = HorizonStrategy(**extra.pop("strategy_kwargs", {}))
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                        default_root_dir=str(tmp_path), **extra)
+    with pytest.raises(ValueError, match=match):
+        trainer.fit(_Refused(case))
+
+
+def test_a_seeded_table_draws_only_the_rows_a_rank_holds():
+    """init_seed: the rows are drawn block by block, when first used; a placed table draws only its own rows, the
+    same values the whole table has (blocks of 65,536 rows: 150,000 rows over 3 ranks cross block boundaries)."""
+    whole = ShardedEmbeddingBag(150_000, 2, init_seed=7, init_std=0.5)
+    assert whole.weight.shape[0] == 0  # nothing drawn at construction
+    whole(torch.tensor([[0, 149_999]]))
+    assert whole.weight.shape == (150_000, 2) and 0.45 < float(whole.weight.std()) < 0.55
+    for rank in range(3):
+        part = ShardedEmbeddingBag(150_000, 2, init_seed=7, init_std=0.5)
+        part.place(rank, 3, group=None)
+        lo, hi = part.rows
+        assert torch.equal(part.weight.data, whole.weight.data[lo:hi])
+    other = ShardedEmbeddingBag(150_000, 2, init_seed=8)
+    other.load_state_dict(whole.state_dict())  # loaded rows replace drawing
+    torch.testing.assert_close(other.weight.data, whole.weight.data)
+
+
+def test_table_wise_tables_go_largest_first_to_the_least_loaded_rank():
+    tables = {name: ShardedEmbeddingBag(rows, dim, placement="table") for name, rows, dim in
+              (("a", 10, 4), ("b", 30, 4), ("c", 20, 4), ("d", 5, 2))}
+    tables["rows"] = ShardedEmbeddingBag(1000, 4)  # row-sharded: no owner
+    assert table_owners(tables, 2) == {"b": 0, "c": 1, "a": 1, "d": 0}
+    lone = tables["c"]
+    lone.place(2, 3, group=None, owner=2)
+    assert lone.bounds == [(0, 0), (0, 0), (0, 20)] and lone.weight.shape == (20, 4)

@@ -23,13 +23,12 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
 from lightning_horizon import memory, placement
 from lightning_horizon.collectives import GradientSync
-from lightning_horizon.embedding import EmbeddingTables, tables_of
+from lightning_horizon.embedding import EmbeddingTables, table_groups, tables_of
 from lightning_horizon.node_state import NodeState, resolve_group_nodes
 from lightning_horizon.parts import Parts
 from lightning_horizon.rng import RNGState
@@ -98,8 +97,8 @@ def add_tables(strategy: Any, model: nn.Module) -> EmbeddingTables:
             f" {strategy.topology.num_nodes} nodes: local SGD averages each rank's parameters with its peers on the"
             " other nodes, which hold other rows of the table; use sync_every=1")
     old = strategy.parts.last("embedding")
-    group = old.group if old is not None else (None if strategy.world_size == 1 else dist.new_group())
-    tables = EmbeddingTables(model, strategy.training_state, strategy.global_rank, strategy.world_size, group)
+    groups = old.groups if old is not None else table_groups(strategy.topology)
+    tables = EmbeddingTables(model, strategy.training_state, strategy.topology, groups)
     strategy.parts.add("embedding", tables)
     return tables
 

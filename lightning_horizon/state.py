@@ -41,8 +41,8 @@ class TrainingState:
         #: out-of-core training (lightning_horizon/store/): the StateStore that holds weights, gradients, masters
         #: and optimizer state in memory-mapped files; ``None``: they live where torch allocates them
         self.store: Optional[Any] = None
-        self._sparse: dict[Tensor, Any] = {}  # parameter -> the table holding its sparse gradient (embedding/)
-        self._sparse_group: Optional[Any] = None  # the ranks the tables' rows are sharded over
+        #: parameter -> (the table holding its sparse gradient, the ranks that hold one copy of it: embedding/)
+        self._sparse: dict[Tensor, tuple[Any, Optional[Any]]] = {}
 
     # ------------------------------------------------------------------ ownership (node-sharded state)
 
@@ -63,19 +63,21 @@ class TrainingState:
         the gradients it owns, and with the sparse gradients of the embedding tables among ``params``."""
         params = list(params)
         dense = total_norm_fp32(params, norm_type, self.grad_group, self.stream)
-        tables = [self._sparse[p] for p in params if p in self._sparse]
-        if not tables:
+        by_group: dict[Any, list[Tensor]] = {}  # each copy's ranks hold its rows' gradients once: summed there
+        for p in params:
+            if p in self._sparse:
+                table, group = self._sparse[p]
+                by_group.setdefault(group, []).append(table.gradient_share(norm_type).to(dense.dtype))
+        if not by_group:
             return dense
-        shares = torch.stack([t.gradient_share(norm_type).to(dense.dtype) for t in tables])
-        if math.isinf(norm_type):
-            share = shares.max()
-            if self._sparse_group is not None:
-                dist.all_reduce(share, op=dist.ReduceOp.MAX, group=self._sparse_group)
-            return torch.maximum(dense, share)
-        share = shares.sum()
-        if self._sparse_group is not None:
-            dist.all_reduce(share, group=self._sparse_group)  # each rank holds its own rows' gradients
-        return (dense.pow(norm_type) + share).pow(1.0 / norm_type)
+        inf = math.isinf(norm_type)
+        total = dense if inf else dense.pow(norm_type)
+        for group, shares in by_group.items():  # every rank registered the same tables, in the same order
+            share = torch.stack(shares).max() if inf else torch.stack(shares).sum()
+            if group is not None:
+                dist.all_reduce(share, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
+            total = torch.maximum(total, share) if inf else total + share
+        return total if inf else total.pow(1.0 / norm_type)
 
     def clip(self, params: list[Tensor], max_norm: float, total_norm: Tensor) -> float:
         """Scale the gradients of ``params`` (the tables' sparse ones too) in place to a total norm of at most
@@ -85,7 +87,7 @@ class TrainingState:
             coef = torch.tensor(factor, dtype=total_norm.dtype)  # exactly clip_grads_' (its dtype, as a float)
             for p in params:
                 if p in self._sparse:
-                    self._sparse[p].scale_gradient(coef)
+                    self._sparse[p][0].scale_gradient(coef)
         return factor
 
     def skip(self, params: Iterable[Tensor]) -> None:
@@ -94,21 +96,20 @@ class TrainingState:
         for p in params:
             p.grad = None
             if p in self._sparse:
-                self._sparse[p].drop_gradient()
+                self._sparse[p][0].drop_gradient()
 
     def register_sparse(self, param: Tensor, table: Any, group: Optional[Any]) -> None:
         """``param``'s gradient is held by ``table`` (``gradient_share``, ``scale_gradient``, ``drop_gradient``),
-        sharded over ``group`` (``None``: one process): counted in :meth:`grad_norm`, scaled by :meth:`clip`,
-        dropped by :meth:`skip`."""
-        self._sparse[param] = table
-        self._sparse_group = group
+        one copy of it sharded over ``group`` (``None``: on this rank alone): counted in :meth:`grad_norm`, scaled
+        by :meth:`clip`, dropped by :meth:`skip`."""
+        self._sparse[param] = (table, group)
 
     def sparse_tables(self) -> list[Any]:
         """The tables registered by :meth:`register_sparse` (for memory estimates)."""
-        return list(self._sparse.values())
+        return [table for table, _ in self._sparse.values()]
 
     def unregister_sparse(self) -> None:
-        self._sparse, self._sparse_group = {}, None
+        self._sparse = {}
 
     # ------------------------------------------------------------------ registration (precision policies)
 

@@ -10,6 +10,8 @@ whole batch: with SGD, plain ``nn.EmbeddingBag`` + ``torch.optim.SGD`` (dense, t
 sparse optimizers, the unplaced module stepping itself; GradNormBackoff's and Lightning's clipping by the global norm
 (the tables' gradients counted); the saved table loads into ``nn.EmbeddingBag`` with ``strict=True``; a checkpoint
 of 4 ranks resumes on 2 (and one of 2 on 2) as if never interrupted; validate after fit gives the reference's loss.
+On 2 emulated nodes x 2 with ``span="node"`` (a copy of each table per node, its rows' gradients summed across the
+nodes): the same reference, and a checkpoint that resumes with the tables spread over the world.
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ RUNS_4 = [
     {"name": "adagrad", "optimizer": "adagrad", "mode": "mean", "clip": "trainer-norm", "steps": STEPS},
     {"name": "adam", "optimizer": "rowwise_adam", "dense": "AdamW", "steps": STEPS},
     {"name": "half", "optimizer": "rowwise_adagrad", "dense": "AdamW", "steps": 2},  # resumed on 2 ranks
+    # span="node" on 2 emulated nodes x 2: a copy per node, the touched rows' gradients summed across the nodes
+    {"name": "node", "optimizer": "rowwise_adagrad", "dense": "AdamW", "clip": "backoff", "weights": True,
+     "span": "node", "rpn": 2, "steps": STEPS},
+    {"name": "nodehalf", "optimizer": "rowwise_adagrad", "dense": "AdamW", "span": "node", "rpn": 2, "steps": 2},
 ]
 # one batch per epoch: every resumed step takes the same data, wherever Lightning's loop resumes its epoch
 RESUME = {"optimizer": "rowwise_adagrad", "dense": "AdamW", "steps": 4, "epoch_steps": 1}
@@ -57,7 +63,8 @@ def fits(tmp_path_factory) -> dict[int, Path]:
         out[world].mkdir()
         if world == 2:  # the 4-rank checkpoint resumes on 2 ranks; the 2-rank one on 2
             runs = runs + [{**RESUME, "name": "from4", "resume_from": str(out[4] / "half.ckpt")},
-                           {**RESUME, "name": "from2", "resume_from": str(out[2] / "own.ckpt")}]
+                           {**RESUME, "name": "from2", "resume_from": str(out[2] / "own.ckpt")},
+                           {**RESUME, "name": "fromnode", "resume_from": str(out[4] / "nodehalf.ckpt")}]
         cfg = out[world] / "cfg.json"
         cfg.write_text(json.dumps({"world": world, "runs": runs}))
         run_script(FIT, [cfg, out[world]], timeout=300)
@@ -68,7 +75,8 @@ def reference(cfg: dict, blocks: list[tuple[int, int]]) -> tuple[Risk, list[floa
     """One process, the unplaced module, the same steps on each step's whole batch (``blocks``: ``(world,
     epoch_steps)`` of each step's data)."""
     torch.manual_seed(0)
-    model = Risk(cfg["optimizer"], cfg.get("dense", "SGD"), cfg.get("mode", "sum"), cfg.get("weights", False))
+    model = Risk(cfg["optimizer"], cfg.get("dense", "SGD"), cfg.get("mode", "sum"), cfg.get("weights", False),
+                 span=cfg.get("span", "world"))
     opt = model.configure_optimizers()
     losses = []
     for step, (world, epoch_steps) in enumerate(blocks):
@@ -114,13 +122,18 @@ def assert_matches(folder: Path, name: str, model: Risk, losses: list[float]) ->
     plain.load_state_dict({"weight": state["smalls.1.weight"]}, strict=True)  # held whole by rank 1
 
 
-@pytest.mark.parametrize("world, name", [(4, "sgd"), (4, "rwa"), (4, "adagrad"), (4, "adam"), (2, "sgd"), (2, "rwa")])
+@pytest.mark.parametrize("world, name", [(4, "sgd"), (4, "rwa"), (4, "adagrad"), (4, "adam"), (4, "node"), (2, "sgd"),
+                                         (2, "rwa")])
 def test_fit_equals_single_process_reference(fits, world, name):
     cfg = {r["name"]: r for r in (RUNS_4 if world == 4 else RUNS_2)}[name]
     model, losses = reference(cfg, [(world, cfg["steps"])] * cfg["steps"])
     assert_matches(fits[world], name, model, losses)
     # validate after fit, on the placed tables: the reference's loss on the same data
     result, _ = load(fits[world], name)
+    # rank 0's rows: of the world's ranks, or (span="node") of its node's 2, with a copy on each of the 2 nodes
+    per_node = cfg.get("span") == "node"
+    assert (result["rows"], result["copies"], result["owners"]) == (
+        ((0, 19), 2, [0, 1]) if per_node else ((0, -(-ROWS // world)), 1, [0, 1]))
     with torch.no_grad():
         val = [float(model.loss(dataset(world * BATCH * 2, seed=2)[i * BATCH:(i + 1) * BATCH]))
                for i in range(world * 2)]
@@ -151,7 +164,7 @@ def test_sgd_equals_plain_embedding_bag_with_torch_sgd(fits):
                                    atol=1e-12)
 
 
-@pytest.mark.parametrize("name, first", [("from4", 4), ("from2", 2)])
+@pytest.mark.parametrize("name, first", [("from4", 4), ("from2", 2), ("fromnode", 4)])
 def test_resume_into_another_world_size(fits, name, first):
     model, losses = reference(RESUME, [(first, 2), (first, 2), (2, 1), (2, 1)])
     assert_matches(fits[2], name, model, losses[2:])

@@ -8,10 +8,10 @@
 """
 
 from lightning_horizon.embedding.bag import ShardedEmbeddingBag
-from lightning_horizon.embedding.part import EmbeddingTables, table_owners, tables_of
+from lightning_horizon.embedding.part import EmbeddingTables, TableGroups, table_groups, table_owners, tables_of
 from lightning_horizon.embedding.sparse_optim import (
     RowWiseAdagrad, RowWiseAdam, SparseAdagrad, SparseOptimizer, SparseSGD,
 )
 
 __all__ = ["EmbeddingTables", "RowWiseAdagrad", "RowWiseAdam", "ShardedEmbeddingBag", "SparseAdagrad",
-           "SparseOptimizer", "SparseSGD", "table_owners", "tables_of"]
+           "SparseOptimizer", "SparseSGD", "TableGroups", "table_groups", "table_owners", "tables_of"]

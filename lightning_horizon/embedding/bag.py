@@ -39,6 +39,7 @@ from lightning_horizon.embedding.sparse_optim import SparseOptimizer, resolve
 
 MODES = ("sum", "mean")
 PLACEMENTS = ("rows", "table")
+SPANS = ("world", "node")
 BLOCK = 1 << 16  #: rows per generator of a seeded table (init_seed)
 
 
@@ -63,12 +64,16 @@ class ShardedEmbeddingBag(nn.Module):
         placement: ``"rows"``: every rank holds a block of the rows; ``"table"``: one rank holds the whole table
             (the strategy spreads such tables over the ranks, largest first, each to the rank holding the fewest
             bytes of them): for several small tables, whose rows would cost more to spread than to keep together.
+        span: the ranks the table is spread over: ``"world"``, or ``"node"``: every node holds a whole copy spread
+            over its own ranks, so lookups never leave the node, and the touched rows' gradients are summed across
+            the nodes before the step (on a slow inter-node link, when a batch's ids and partial sums would cost
+            more to send across than its touched rows' gradients).
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, mode: str = "sum",
                  optimizer: Union[str, SparseOptimizer] = "rowwise_adagrad",
                  dtype: Optional[torch.dtype] = None, init_std: float = 1.0,
-                 init_seed: Optional[int] = None, placement: str = "rows") -> None:
+                 init_seed: Optional[int] = None, placement: str = "rows", span: str = "world") -> None:
         super().__init__()
         owner = type(self).__name__
         check_int(owner, "num_embeddings", num_embeddings, 1)
@@ -76,12 +81,15 @@ class ShardedEmbeddingBag(nn.Module):
         check_one_of(owner, "mode", mode, MODES)
         check_one_of(owner, "dtype", dtype, (None, torch.float32, torch.float64))
         check_one_of(owner, "placement", placement, PLACEMENTS)
+        check_one_of(owner, "span", span, SPANS)
         require(is_number(init_std, 0, include_low=True), owner, "init_std", init_std, "a number >= 0")
         require(init_seed is None or (is_int(init_seed, 0) and init_seed < 2**38), owner, "init_seed", init_seed,
                 "None or an int in [0, 2**38)")
         self.num_embeddings, self.embedding_dim, self.mode = num_embeddings, embedding_dim, mode
         self.optimizer = resolve(optimizer, owner)
-        self.init_std, self.init_seed, self.placement = float(init_std), init_seed, placement
+        self.init_std, self.init_seed, self.placement, self.span = float(init_std), init_seed, placement, span
+        #: span="node" over several nodes: (this node, the nodes, the group of this local rank on every node)
+        self.replicas: Optional[tuple[int, int, Any]] = None
         self.owner: Optional[int] = None  # placement="table": the rank that holds the table once placed
         # a seeded table holds no row until first used (_drawn); .to(), .double() apply to the empty tensor alike
         self.weight = nn.Parameter(torch.empty(num_embeddings if init_seed is None else 0, embedding_dim,
@@ -116,20 +124,29 @@ class ShardedEmbeddingBag(nn.Module):
 
     @property
     def placed(self) -> bool:
-        return self.world > 1
+        return self.world > 1 or self.replicas is not None
 
-    def place(self, rank: int, world: int, group: Any, owner: Optional[int] = None) -> None:
+    @property
+    def copies(self) -> int:
+        """How many copies of the table there are (one per node under span="node")."""
+        return self.replicas[1] if self.replicas is not None else 1
+
+    def place(self, rank: int, world: int, group: Any, owner: Optional[int] = None,
+              replicas: Optional[tuple[int, int, Any]] = None) -> None:
         """Keep rows ``bounds[rank]`` of the table (and of its optimizer state) and look up the others over
         ``group`` (every rank, each calling this with its own rank); ``owner``: the rank that holds a
-        ``placement="table"`` table. A table already placed alike stays."""
-        if (rank, world, owner) == (self.rank, self.world, self.owner):
-            self.group = group
+        ``placement="table"`` table; ``replicas``: under ``span="node"`` on several nodes, (this node, the nodes,
+        the group of this rank's place on every node), ``rank``, ``world`` and ``group`` being the node's. A table
+        already placed alike stays."""
+        if (rank, world, owner) == (self.rank, self.world, self.owner) and (replicas is None) == (
+                self.replicas is None):
+            self.group, self.replicas = group, replicas
             return
         if self.placed:
             raise RuntimeError(f"{type(self).__name__} is placed on {self.world} ranks; it cannot move to {world}")
         if (owner is None) != (self.placement == "rows"):
             raise ValueError(f"{type(self).__name__}(placement={self.placement!r}): owner={owner!r}")
-        self.rank, self.world, self.group, self.owner = rank, world, group, owner
+        self.rank, self.world, self.group, self.owner, self.replicas = rank, world, group, owner, replicas
         lo, hi = self.rows
         # .data keeps the Parameter (the optimizer's reference) and frees the other rows
         self.weight.data = self.weight.data[lo:hi].clone() if self._drawn else self._draw(lo, hi)
@@ -169,7 +186,7 @@ class ShardedEmbeddingBag(nn.Module):
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
             raise IndexError(f"{type(self).__name__}: ids must be in [0, {self.num_embeddings}); got"
                              f" [{int(ids.min())}, {int(ids.max())}]")
-        if self.placed:
+        if self.world > 1:
             pooled = self._lookup_sharded(ids, bag, bags, per_sample_weights)
         else:
             pooled = _pool(self.weight, ids, bag, bags, per_sample_weights)
@@ -207,7 +224,8 @@ class ShardedEmbeddingBag(nn.Module):
 
     def take_gradient(self) -> bool:
         """Move the table's gradient (sparse or dense) out of ``weight.grad``, averaged over the ranks as DDP
-        averages the others', so that the user's optimizer steps no row; True when there is one."""
+        averages the others' (under span="node" summed across the nodes first: collective), so that the user's
+        optimizer steps no row; True when there is one."""
         grad, self.weight.grad = self.weight.grad, None
         if grad is None:
             return False
@@ -217,7 +235,10 @@ class ShardedEmbeddingBag(nn.Module):
         else:  # a dense gradient (a user's own F.embedding on .weight): its nonzero rows
             rows = grad.abs().sum(1).nonzero().squeeze(1)
             values = grad[rows]
-        self._pending = (rows, values / self.world)
+        if self.replicas is not None:
+            rows, values = exchange.sum_rows(rows, values, self.replicas[2], self.replicas[0], self.replicas[1])
+            self.sent_bytes += (self.replicas[1] - 1) * rows.numel() * (8 + values.shape[1] * values.element_size())
+        self._pending = (rows, values / (self.world * self.copies))
         return True
 
     def gradient_share(self, norm_type: float) -> Tensor:
@@ -261,7 +282,7 @@ class ShardedEmbeddingBag(nn.Module):
 
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
         self._ensure_drawn()
-        if not self.placed:
+        if self.world == 1 or (self.replicas is not None and self.replicas[0] > 0):  # whole here, or node 0's
             return super()._save_to_state_dict(destination, prefix, keep_vars)
         full = exchange.gather_rows(self.weight.detach(), self.bounds, self.group, self.rank)
         destination[prefix + "weight"] = full if full is not None else self.weight.detach()
@@ -284,8 +305,11 @@ class ShardedEmbeddingBag(nn.Module):
         return (self.rows[1] - self.rows[0]) * sum(t.numel() * t.element_size() for t in per_row.values())
 
     def full_optimizer_state(self) -> Optional[dict[str, Tensor]]:
-        """The optimizer state of every row on rank 0 (``None`` elsewhere); collective on a placed table."""
-        if not self.placed:
+        """The optimizer state of every row on rank 0 (``None`` elsewhere); collective on a placed table (under
+        span="node": among node 0's ranks)."""
+        if self.replicas is not None and self.replicas[0] > 0:
+            return None
+        if self.world == 1:
             return dict(self.optimizer_state)
         names = sorted(self.optimizer.init_state(0, self.embedding_dim, self.weight.dtype))
         if not self.optimizer_state and names:  # before the first step: zeros, as init_state makes them
@@ -328,4 +352,4 @@ def _pool(weight: Tensor, ids: Tensor, bag: Tensor, bags: int, weights: Optional
     return rows.new_zeros((bags, weight.shape[1])).index_add(0, bag, rows)
 
 
-__all__ = ["BLOCK", "MODES", "PLACEMENTS", "ShardedEmbeddingBag"]
+__all__ = ["BLOCK", "MODES", "PLACEMENTS", "SPANS", "ShardedEmbeddingBag"]

@@ -59,6 +59,18 @@ class SwapBlocks(torch.autograd.Function):
         return swap_blocks(grad, recv, send, group, rank), None, None, None, None
 
 
+def sum_rows(rows: Tensor, values: Tensor, group: Any, index: int, count: int) -> tuple[Tensor, Tensor]:
+    """The sum over ``count`` ranks of ``group`` (this one at ``index``) of their sparse row gradients ``(rows,
+    values)``: every rank sends its own to every other and adds them all up in rank order, so each gets the same
+    rows and the same bits."""
+    sizes = swap_counts(torch.full((count, 1), rows.numel()), group, index)[:, 0].tolist()
+    every = [rows.numel()] * count
+    rows = swap_blocks(rows.repeat(count), every, sizes, group, index)
+    values = swap_blocks(values.repeat(count, 1), every, sizes, group, index)
+    unique, inverse = torch.unique(rows, return_inverse=True)
+    return unique, values.new_zeros((unique.numel(), values.shape[1])).index_add_(0, inverse, values)
+
+
 def gather_rows(shard: Tensor, bounds: list[tuple[int, int]], group: Any, rank: int) -> Optional[Tensor]:
     """The whole table on rank 0 (``None`` elsewhere) from each rank's rows ``bounds[rank]`` (``shard``)."""
     if rank != 0:
@@ -74,4 +86,4 @@ def gather_rows(shard: Tensor, bounds: list[tuple[int, int]], group: Any, rank: 
     return full
 
 
-__all__ = ["SwapBlocks", "gather_rows", "swap_blocks", "swap_counts"]
+__all__ = ["SwapBlocks", "gather_rows", "sum_rows", "swap_blocks", "swap_counts"]

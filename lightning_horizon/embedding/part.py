@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import logging
 from types import MappingProxyType
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -51,10 +52,13 @@ class EmbeddingTables(Part):
     takes = MappingProxyType({PARAMETERS: "the tables' rows, sharded over the ranks"})
     layout_free = True
 
-    def __init__(self, module: nn.Module, training_state: TrainingState, rank: int, world: int, group: Any) -> None:
+    def __init__(self, module: nn.Module, training_state: TrainingState, topology: Any,
+                 groups: Optional[TableGroups]) -> None:
+        """``topology``: the strategy's (ranks, nodes); ``groups``: the tables' process groups (``None``: one
+        process)."""
         self.tables = tables_of(module)
         self.training_state = training_state
-        self.rank, self.world, self.group = rank, world, group
+        self.topology, self.groups = topology, groups
         self._hooks: list[Any] = []
         self._reported = 0  # sent bytes counted up to the last comm_metrics
 
@@ -65,10 +69,27 @@ class EmbeddingTables(Part):
         ignored = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
         names = [n for n, p in model.named_parameters() if id(p) in mine and n not in ignored]
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored + names)
-        if self.world > 1:
-            owners = table_owners(self.tables, self.world)
-            for name, table in self.tables.items():
-                table.place(self.rank, self.world, self.group, owners.get(name))
+        t, g = self.topology, self.groups
+        if g is None:
+            return
+        world_owners = table_owners({n: x for n, x in self.tables.items() if not self._per_node(x)}, t.world_size)
+        node_owners = table_owners({n: x for n, x in self.tables.items() if self._per_node(x)}, t.ranks_per_node)
+        for name, table in self.tables.items():
+            if self._per_node(table):  # a copy per node, spread over its ranks
+                table.place(t.local_rank, t.ranks_per_node, g.node, node_owners.get(name),
+                            replicas=(t.node_rank, t.num_nodes, g.across))
+            else:
+                table.place(t.rank, t.world_size, g.world, world_owners.get(name))
+
+    def _per_node(self, table: ShardedEmbeddingBag) -> bool:
+        """Whether ``table`` is one copy per node (span="node" on several nodes; on one node it spans the world)."""
+        return table.span == "node" and self.topology.num_nodes > 1
+
+    def _copy_group(self, table: ShardedEmbeddingBag) -> Any:
+        """The ranks that hold one copy of ``table``'s rows (its gradient norm is summed there)."""
+        if self.groups is None:
+            return None
+        return self.groups.node if self._per_node(table) else self.groups.world
 
     def refuses(self, optimizer: Any) -> Optional[str]:
         if isinstance(optimizer, torch.optim.LBFGS) and self._holds(optimizer):
@@ -97,7 +118,7 @@ class EmbeddingTables(Part):
             opt.state.pop(table.weight, None)  # eager state (Adagrad's) the optimizer will never use
             group = opt.param_groups[index]  # by index at each step: loading a state replaces the group dicts
             stepped.setdefault(opt, []).append((table, index, float(group.get("initial_lr", group["lr"]))))
-            self.training_state.register_sparse(table.weight, table, self.group)
+            self.training_state.register_sparse(table.weight, table, self._copy_group(table))
         for opt, entries in stepped.items():
             self._hooks.append(opt.register_step_post_hook(lambda o, *_, e=entries: _step(o, e)))
 
@@ -149,6 +170,28 @@ class EmbeddingTables(Part):
         return any(p is w for g in optimizer.param_groups for p in g["params"] for w in weights)
 
 
+class TableGroups(NamedTuple):
+    """The tables' process groups, of their own (never the default group DDP reduces on): every rank; this rank's
+    node (``None`` on one node); this local rank on every node (``None`` on one node)."""
+
+    world: Any
+    node: Any
+    across: Any
+
+
+def table_groups(topology: Any) -> Optional[TableGroups]:
+    """Every rank, at the same point (collective: each group is made by all ranks, in one order); ``None`` with one
+    process."""
+    if topology.world_size == 1:
+        return None
+    world = dist.new_group()
+    if topology.num_nodes == 1:
+        return TableGroups(world, None, None)
+    nodes = [dist.new_group(topology.node_ranks(n)) for n in range(topology.num_nodes)]
+    across = [dist.new_group(topology.cross_ranks(r)) for r in range(topology.ranks_per_node)]
+    return TableGroups(world, nodes[topology.node_rank], across[topology.local_rank])
+
+
 def table_owners(tables: dict[str, ShardedEmbeddingBag], world: int) -> dict[str, int]:
     """The rank of each ``placement="table"`` table: largest first, each to the rank holding the fewest rows x
     width of them so far (ties: the lowest rank); the same on every rank."""
@@ -170,4 +213,4 @@ def _step(optimizer: Any, entries: list[tuple[ShardedEmbeddingBag, int, float]])
         table.sparse_step(lr if own is None else own * (lr / initial if initial else 1.0))
 
 
-__all__ = ["EmbeddingTables", "table_owners", "tables_of"]
+__all__ = ["EmbeddingTables", "TableGroups", "table_groups", "table_owners", "tables_of"]

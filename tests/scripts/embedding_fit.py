@@ -5,13 +5,15 @@ launcher re-executes this script for the other ranks). A run is
 
     {"name": ..., "optimizer": "sgd"|"adagrad"|"rowwise_adagrad"|"rowwise_adam", "dense": "SGD"|"AdamW",
      "mode": "sum"|"mean", "clip": null|"backoff"|"trainer-norm", "steps": N, "resume_from": PATH|null,
-     "weights": bool (per_sample_weights), "precision": "64-true"|"bf16-mixed", "epoch_steps": steps per epoch}
+     "weights": bool (per_sample_weights), "precision": "64-true"|"bf16-mixed", "epoch_steps": steps per epoch,
+     "span": "world"|"node" (every table's), "rpn": ranks per emulated node}
 
 The model (:class:`Risk`): a row-sharded ShardedEmbeddingBag (ROWS x DIM), two small table-wise ones (SMALL) and a
 Linear head, a BCE loss; the data
 (:func:`dataset`) gives step k's ranks, together, samples ``[k * W * BATCH, (k + 1) * W * BATCH)``. Rank 0 writes
 OUT_DIR/NAME.pt: the losses per step (the mean over the ranks), ``trainer.save_checkpoint`` after fit
-(OUT_DIR/NAME.ckpt) and the validation loss after fit; a failure writes its traceback there instead.
+(OUT_DIR/NAME.ckpt), the validation loss after fit and how rank 0 holds the tables (its rows of the big one, its
+copies, the small ones' owners); a failure writes its traceback there instead.
 """
 
 from __future__ import annotations
@@ -50,14 +52,14 @@ def dataset(samples: int, seed: int = 1) -> TensorDataset:
 
 class Risk(L.LightningModule):
     def __init__(self, optimizer: str = "sgd", dense: str = "SGD", mode: str = "sum", weighted: bool = False,
-                 dtype: torch.dtype = torch.float64) -> None:
+                 dtype: torch.dtype = torch.float64, span: str = "world") -> None:
         super().__init__()
         # SGD at the dense optimizer's lr: the run equals plain nn.EmbeddingBag + torch.optim.SGD
         table_opt = SparseSGD(lr=0.5) if optimizer == "sgd" else optimizer
-        self.emb = ShardedEmbeddingBag(ROWS, DIM, mode=mode, optimizer=table_opt, dtype=dtype)
+        self.emb = ShardedEmbeddingBag(ROWS, DIM, mode=mode, optimizer=table_opt, dtype=dtype, span=span)
         # two small tables, each whole on one rank (placement="table": ranks 0 and 1), of the ids modulo their size
         self.smalls = nn.ModuleList([ShardedEmbeddingBag(n, DIM, mode=mode, optimizer=table_opt, dtype=dtype,
-                                                         placement="table") for n in SMALL])
+                                                         placement="table", span=span) for n in SMALL])
         self.head = nn.Linear(DIM, 1, dtype=dtype)
         self.dense, self.weighted = dense, weighted
         self.losses: list[float] = []
@@ -93,16 +95,18 @@ class Risk(L.LightningModule):
 def run(cfg: dict, world: int, out: Path) -> None:
     torch.manual_seed(0)
     dtype = torch.float64 if cfg.get("precision", "64-true") == "64-true" else torch.float32
-    model = Risk(cfg["optimizer"], cfg.get("dense", "SGD"), cfg.get("mode", "sum"), cfg.get("weights", False), dtype)
+    model = Risk(cfg["optimizer"], cfg.get("dense", "SGD"), cfg.get("mode", "sum"), cfg.get("weights", False), dtype,
+                 cfg.get("span", "world"))
     steps = cfg["steps"]
     model.data = dataset(world * BATCH * cfg.get("epoch_steps", steps))
     callbacks = [GradNormBackoff(max_norm=CLIP, spike_threshold=None)] if cfg.get("clip") == "backoff" else []
     extra = {"gradient_clip_val": CLIP} if cfg.get("clip") == "trainer-norm" else {}
     precision = {"precision": "64-true"} if dtype == torch.float64 else {"plugins": [HorizonPrecision("bf16-mixed")]}
     trainer = L.Trainer(
-        accelerator="cpu", devices=world, strategy=HorizonStrategy(), max_steps=steps, max_epochs=-1, logger=False,
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
-        use_distributed_sampler=False, callbacks=callbacks, default_root_dir=str(out / "root"), **precision, **extra,
+        accelerator="cpu", devices=world, strategy=HorizonStrategy(ranks_per_node=cfg.get("rpn")), max_steps=steps,
+        max_epochs=-1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, num_sanity_val_steps=0, use_distributed_sampler=False, callbacks=callbacks,
+        default_root_dir=str(out / "root"), **precision, **extra,
     )
     trainer.fit(model, ckpt_path=cfg.get("resume_from"))
     trainer.save_checkpoint(out / f"{cfg['name']}.ckpt")
@@ -110,7 +114,8 @@ def run(cfg: dict, world: int, out: Path) -> None:
     sampler = DistributedSampler(val_data, world, trainer.global_rank, shuffle=False)
     val = trainer.validate(model, DataLoader(val_data, batch_size=BATCH, sampler=sampler), verbose=False)
     if trainer.global_rank == 0:
-        torch.save({"losses": model.losses, "val_loss": val[0]["val_loss"]}, out / f"{cfg['name']}.pt")
+        torch.save({"losses": model.losses, "val_loss": val[0]["val_loss"], "rows": model.emb.rows,
+                    "copies": model.emb.copies, "owners": [s.owner for s in model.smalls]}, out / f"{cfg['name']}.pt")
 
 
 def main(config: str, out_dir: str) -> None:

@@ -3,6 +3,7 @@
     python recipes/bench_embedding.py                                    # 10M rows x 16, 2 and 4 ranks, 2 rounds
     python recipes/bench_embedding.py --rows 2000000 --ranks 4 --rounds 1
     python recipes/bench_embedding.py --smoke                            # CI: 10k rows, 2 ranks, 3 steps
+    python recipes/bench_embedding.py --nodes 2 --ranks 4 --arms sharded,sharded-node --rate 1gbit  # root
 
 The model is a DLRM-style click/risk model: ``--fields`` id fields per sample (each id one row of one shared table of
 ``--rows`` x ``--dim``, the rows summed per sample: an embedding bag), 13 dense features, an MLP. The data: ids drawn
@@ -14,6 +15,8 @@ cost does not depend on them). The arms:
   gradient and two moments, DDP all-reduces the whole table's gradient every step, AdamW updates every row;
 - ``sharded``: ``ShardedEmbeddingBag`` (row-wise Adagrad; ``init_seed``, so each rank draws only its own rows) under
   ``HorizonStrategy``, the MLP with the same AdamW;
+- ``sharded-node``: the same with ``span="node"`` (a copy of the table per node, lookups inside the node, the touched
+  rows' gradients summed across nodes): the same as ``sharded`` on one node;
 - ``torchrec``: TorchRec's sharded ``EmbeddingBagCollection`` where it installs beside this torch; otherwise the
   line says why it is skipped.
 
@@ -23,7 +26,9 @@ rank (the tensors themselves: weight, its gradient where one is kept, the optimi
 rank (``VmHWM``, the largest rank), and the bytes one rank sent in the last step for the table and in all (dense: the
 ring all-reduce of the gradients, 2(R-1)/R of their bytes; sharded: what its lookups sent, counted by the module,
 and our comm hook's count of the MLP's all-reduce). Every run is a fresh process group (Lightning's launcher starts
-the other ranks), killed on timeout.
+the other ranks), killed on timeout. ``--nodes 2`` runs each arm as 2 emulated nodes (one Lightning launch each,
+``NODE_RANK``): as root in two network namespaces joined by a veth capped at ``--rate`` by tc's tbf, else on
+loopback.
 """
 
 from __future__ import annotations
@@ -31,19 +36,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Optional
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _bench import cpu_line, parse_common  # noqa: E402
+from _bench import Namespaces, cpu_line, default_burst, parse_common  # noqa: E402
 
-ARMS = ("dense", "sharded", "torchrec")
+ARMS = ("dense", "sharded", "sharded-node", "torchrec")
 N_DENSE = 13
 MIB = 2**20
 SMOKE = dict(rows=10_000, ranks="2", steps=3, warmup=1, rounds=1, batch=64)
@@ -85,10 +94,10 @@ def worker(spec: dict[str, Any], out: str) -> None:
     class Risk(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            if spec["arm"] == "sharded":
+            if spec["arm"].startswith("sharded"):
                 # seeded: each rank draws only the rows it holds, never the whole table
                 self.table = ShardedEmbeddingBag(rows, dim, mode="sum", optimizer=RowWiseAdagrad(lr=0.05),
-                                                 init_seed=0)
+                                                 init_seed=0, span="node" if spec["arm"] == "sharded-node" else "world")
             else:
                 self.table = nn.EmbeddingBag(rows, dim, mode="sum")
             self.mlp = nn.Sequential(nn.Linear(N_DENSE + dim, 256), nn.ReLU(), nn.Linear(256, 128), nn.ReLU(),
@@ -135,12 +144,13 @@ def worker(spec: dict[str, Any], out: str) -> None:
                 Path(out).write_text(json.dumps({"ends": self.ends, "ranks": everyone}))
 
     torch.manual_seed(0)
-    strategy = HorizonStrategy(threads_per_rank=spec["threads"]) if spec["arm"] == "sharded" else "ddp"
+    strategy = HorizonStrategy(threads_per_rank=spec["threads"]) if spec["arm"] != "dense" else "ddp"
     if spec["arm"] == "dense":
         torch.set_num_threads(spec["threads"])
     probe = Probe()
-    trainer = L.Trainer(accelerator="cpu", devices=spec["ranks"], strategy=strategy, max_steps=spec["steps"],
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+    nodes = spec["nodes"]  # emulated nodes: one launch each (NODE_RANK), its launcher starts the node's ranks
+    trainer = L.Trainer(accelerator="cpu", devices=spec["ranks"] // nodes, num_nodes=nodes, strategy=strategy,
+                        max_steps=spec["steps"], logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[probe])
     data = Clicks(batch * spec["ranks"] * spec["steps"])
     trainer.fit(Risk(), DataLoader(data, batch_size=batch))
@@ -159,15 +169,19 @@ def torchrec_missing() -> Optional[str]:
 # ---------------------------------------------------------------------------------------------- driver side
 
 
-def run(spec: dict[str, Any], timeout: float) -> Optional[dict[str, Any]]:
-    from lightning_horizon.layout.tuner import run_worker
-
+def run(spec: dict[str, Any], timeout: float, ns: Optional[Namespaces] = None) -> Optional[dict[str, Any]]:
+    """One arm in fresh processes: one launch, or one per emulated node (in ``ns``'s namespaces, or on loopback)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.json"
         cmd = [sys.executable, __file__, "--worker", json.dumps(spec), "--out", str(out)]
-        code, log = run_worker(cmd, {**os.environ, "PYTHONUNBUFFERED": "1"}, timeout)
-        if code or not out.exists():
-            print(f"  {spec['arm']} x{spec['ranks']} failed (exit {code}):\n{log[-3000:]}", flush=True)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "MASTER_PORT": str(29500 + os.getpid() % 500)}
+        launches = []
+        for node in range(spec["nodes"]):
+            prefix, extra = ns.command(node) if ns else ([], {"MASTER_ADDR": "127.0.0.1"})
+            launches.append(([*prefix, *cmd], {**env, "NODE_RANK": str(node), **extra}))
+        codes, log = run_launches(launches, timeout) if spec["nodes"] > 1 else run_worker(cmd, env, timeout)
+        if codes or not out.exists():
+            print(f"  {spec['arm']} x{spec['ranks']} failed (exit {codes}):\n{log[-3000:]}", flush=True)
             return None
         report = json.loads(out.read_text())
     ends = report["ends"][spec["warmup"] - 1:]
@@ -178,6 +192,25 @@ def run(spec: dict[str, Any], timeout: float) -> Optional[dict[str, Any]]:
             "sent_all_mib": max(r["sent_all"] for r in ranks) / MIB}
 
 
+def run_launches(launches: list[tuple[list[str], dict[str, str]]], timeout: float) -> tuple[int, str]:
+    """Every launch at once, each in its own session; all killed at the deadline or the end. (exit status, logs)"""
+    procs = [subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for cmd, env in launches]
+    deadline, logs = time.time() + timeout, []
+    try:
+        for p in procs:
+            try:
+                logs.append(p.communicate(timeout=max(1.0, deadline - time.time()))[0])
+            except subprocess.TimeoutExpired:
+                logs.append(f"timed out after {timeout:.0f} s")
+    finally:
+        for p in procs:  # every rank of every node, whatever happened
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    return max(abs(p.returncode or 0) for p in procs), "\n".join(logs)
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, default=10_000_000, help="rows of the table")
@@ -185,10 +218,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--fields", type=int, default=26, help="ids per sample (one bag)")
     p.add_argument("--batch", type=int, default=512, help="samples per rank and step")
     p.add_argument("--ranks", default="2,4", help="rank counts, comma-separated")
-    p.add_argument("--arms", default=",".join(ARMS), help=f"of {ARMS}")
+    p.add_argument("--arms", default="dense,sharded,torchrec", help=f"of {ARMS}")
     p.add_argument("--steps", type=int, default=12, help="steps per run, warm-up included")
     p.add_argument("--warmup", type=int, default=3, help="steps before the timing starts")
     p.add_argument("--rounds", type=int, default=2, help="rounds (each runs every arm once, in rotated order)")
+    p.add_argument("--nodes", type=int, default=1, help="emulated nodes (2: network namespaces as root, else loopback)")
+    p.add_argument("--rate", default="1gbit", help="with --nodes 2 as root: the tbf cap of the link between them")
     a = parse_common(p, argv, SMOKE, worker, corpus=False)
     if a is None:
         return  # a worker: it ran
@@ -204,17 +239,29 @@ def main(argv: Optional[list[str]] = None) -> None:
     if "torchrec" in arms:
         print(f"torchrec: skipped: {torchrec_missing()}", flush=True)
         arms.remove("torchrec")
+    bad = [x for x in a.ranks.split(",") if int(x) % a.nodes]
+    if a.nodes not in (1, 2) or bad:
+        p.error(f"--nodes {a.nodes} --ranks {a.ranks}: allowed is 1 or 2 nodes, each rank count a multiple of them")
     results: dict[tuple[str, int], list[dict]] = {}
-    for r in range(a.rounds):
-        for ranks in [int(x) for x in a.ranks.split(",")]:
-            order = arms[r % len(arms):] + arms[:r % len(arms)]
-            for arm in order:
-                spec = {"arm": arm, "ranks": ranks, "threads": max(1, cores // ranks), "rows": a.rows, "dim": a.dim,
-                        "fields": a.fields, "batch": a.batch, "steps": a.steps, "warmup": a.warmup}
-                res = run(spec, a.timeout)
-                if res is not None:
-                    results.setdefault((arm, ranks), []).append(res)
-                    print(f"  round {r + 1} {arm} x{ranks}: {res['samples_s']:,.0f} samples/s", flush=True)
+    with ExitStack() as stack:
+        ns = None
+        if a.nodes == 2 and os.geteuid() == 0 and shutil.which("ip"):
+            ns = stack.enter_context(Namespaces())
+            print(f"2 emulated nodes: network namespaces joined by a veth capped at {a.rate} (tbf)"
+                  if ns.shape(a.rate, default_burst(a.rate)) else "2 emulated nodes: the link is not capped")
+        elif a.nodes == 2:
+            print("2 emulated nodes on loopback (not root, or no iproute2): no link cap")
+        for r in range(a.rounds):
+            for ranks in [int(x) for x in a.ranks.split(",")]:
+                order = arms[r % len(arms):] + arms[:r % len(arms)]
+                for arm in order:
+                    spec = {"arm": arm, "ranks": ranks, "threads": max(1, cores // ranks), "rows": a.rows,
+                            "dim": a.dim, "fields": a.fields, "batch": a.batch, "steps": a.steps, "warmup": a.warmup,
+                            "nodes": a.nodes}
+                    res = run(spec, a.timeout, ns)
+                    if res is not None:
+                        results.setdefault((arm, ranks), []).append(res)
+                        print(f"  round {r + 1} {arm} x{ranks}: {res['samples_s']:,.0f} samples/s", flush=True)
     rows = []
     print(f"\n| arm | ranks | samples/s (min-max) | table + state per rank | peak RSS per rank | sent per rank"
           " and step: table / all |\n|---|---|---|---|---|---|")

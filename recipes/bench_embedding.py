@@ -171,6 +171,8 @@ def torchrec_missing() -> Optional[str]:
 
 def run(spec: dict[str, Any], timeout: float, ns: Optional[Namespaces] = None) -> Optional[dict[str, Any]]:
     """One arm in fresh processes: one launch, or one per emulated node (in ``ns``'s namespaces, or on loopback)."""
+    from lightning_horizon.layout.tuner import run_worker
+
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.json"
         cmd = [sys.executable, __file__, "--worker", json.dumps(spec), "--out", str(out)]
@@ -224,6 +226,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--rounds", type=int, default=2, help="rounds (each runs every arm once, in rotated order)")
     p.add_argument("--nodes", type=int, default=1, help="emulated nodes (2: network namespaces as root, else loopback)")
     p.add_argument("--rate", default="1gbit", help="with --nodes 2 as root: the tbf cap of the link between them")
+    p.add_argument("--no-netns", action="store_true", help="with --nodes 2: on loopback even as root")
     a = parse_common(p, argv, SMOKE, worker, corpus=False)
     if a is None:
         return  # a worker: it ran
@@ -245,12 +248,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     results: dict[tuple[str, int], list[dict]] = {}
     with ExitStack() as stack:
         ns = None
-        if a.nodes == 2 and os.geteuid() == 0 and shutil.which("ip"):
+        if a.nodes == 2 and not a.no_netns and os.geteuid() == 0 and shutil.which("ip"):
             ns = stack.enter_context(Namespaces())
             print(f"2 emulated nodes: network namespaces joined by a veth capped at {a.rate} (tbf)"
                   if ns.shape(a.rate, default_burst(a.rate)) else "2 emulated nodes: the link is not capped")
         elif a.nodes == 2:
-            print("2 emulated nodes on loopback (not root, or no iproute2): no link cap")
+            print("2 emulated nodes on loopback (--no-netns, not root, or no iproute2): no link cap")
         for r in range(a.rounds):
             for ranks in [int(x) for x in a.ranks.split(",")]:
                 order = arms[r % len(arms):] + arms[:r % len(arms)]

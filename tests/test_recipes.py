@@ -564,7 +564,7 @@ def test_bench_sharding_smoke(monkeypatch, capsys):
 def test_bench_embedding_smoke(tmp_path, capsys):
     """2 runs of 2 ranks (a 10k-row table, 3 steps): the dense table under "ddp" and the sharded one; the table's
     bytes per rank are what the arms hold (dense: weight, gradient, two AdamW moments; sharded: half the rows and
-    one Adagrad sum per row)."""
+    one Adagrad sum per row); then span="node" on 2 emulated nodes of 1 rank."""
     import bench_embedding
 
     bench_embedding.main(["--smoke", "--json", str(tmp_path / "out.json")])
@@ -573,6 +573,12 @@ def test_bench_embedding_smoke(tmp_path, capsys):
     mib = {r["arm"]: r["table_mib"] for r in json.loads((tmp_path / "out.json").read_text())}
     assert mib["dense"] == pytest.approx(10_000 * 16 * 4 * 4 / 2**20, rel=1e-6)
     assert mib["sharded"] == pytest.approx(5_000 * (16 + 1) * 4 / 2**20, rel=1e-6)
+    # 2 emulated nodes of 1 rank on loopback, a copy of the table on each: every row held by each rank
+    bench_embedding.main(["--smoke", "--nodes", "2", "--no-netns", "--arms", "sharded-node", "--json",
+                          str(tmp_path / "nodes.json")])
+    assert "2 emulated nodes on loopback" in capsys.readouterr().out
+    row, = json.loads((tmp_path / "nodes.json").read_text())
+    assert row["arm"] == "sharded-node" and row["table_mib"] == pytest.approx(10_000 * 17 * 4 / 2**20, rel=1e-6)
 
 
 def test_risk_classifier_shards_its_table_over_two_ranks(tmp_path):

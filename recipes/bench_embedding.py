@@ -266,7 +266,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                         results.setdefault((arm, ranks), []).append(res)
                         print(f"  round {r + 1} {arm} x{ranks}: {res['samples_s']:,.0f} samples/s", flush=True)
     rows = []
-    print(f"\n| arm | ranks | samples/s (min-max) | table + state per rank | peak RSS per rank | sent per rank"
+    print("\n| arm | ranks | samples/s (min-max) | table + state per rank | peak RSS per rank | sent per rank"
           " and step: table / all |\n|---|---|---|---|---|---|")
     for (arm, ranks), rs in sorted(results.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         med = {k: statistics.median(x[k] for x in rs) for k in rs[0]}

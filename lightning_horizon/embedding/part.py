@@ -21,7 +21,6 @@ Its rows in the lifecycle (parts.py):
 
 from __future__ import annotations
 
-import logging
 from types import MappingProxyType
 from typing import Any, NamedTuple, Optional
 
@@ -36,8 +35,6 @@ from lightning_horizon.node_state.clipping import clip
 from lightning_horizon.optim import torch_optimizer
 from lightning_horizon.parts import PARAMETERS, Part
 from lightning_horizon.state import TrainingState
-
-log = logging.getLogger("lightning_horizon.embedding")
 
 
 def tables_of(module: nn.Module) -> dict[str, ShardedEmbeddingBag]:

@@ -60,12 +60,13 @@ FIXED = [
      "tied": True, "never": True}, "optimizer": {"name": "AdamW", "kwargs": {"lr": 1e-2, "weight_decay": 0.1}},
      "clip": {"where": "trainer", "algorithm": "norm", "value": 0.05}},
     # a sharded embedding table (embedding.md): a schedule whose initial_lr is its own, a clip by the global norm, a
-    # resume on one rank; on 2 nodes x 2 with a codec on the rest, recompute and GradNormBackoff
+    # resume on one rank; a copy per node (span="node") on 2 nodes x 2 with a codec on the rest, recompute and
+    # GradNormBackoff
     {**simplest(2, seed=28), **_W2, "model": {**simplest()["model"], "bag": True, "groups": True},
      "scheduler": {"name": "OneCycleLR", "interval": "step"}, "clip": {"where": "trainer", "algorithm": "norm",
                                                                         "value": 0.05},
      "resume": {"from": "during", "layout": "world1"}},
-    {**simplest(4, seed=29), **_W4, "model": {**simplest()["model"], "bag": True}, "collectives": "hierarchical",
+    {**simplest(4, seed=29), **_W4, "model": {**simplest()["model"], "bag": "node"}, "collectives": "hierarchical",
      "compression": "int8", "sharding": "forced", "backoff": {"max_norm": 0.05}},
 ]
 #: library defects found by the tester and not fixed yet: the example's index in FIXED -> the defect (none now;

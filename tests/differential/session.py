@@ -90,7 +90,7 @@ def coverage(examples: list[dict]) -> dict[str, collections.Counter]:
         c["world"][f"{ex['world']}x{ex['rpn']}" if ex["rpn"] > 1 else str(ex["world"])] += 1
         c["model"][ex["model"]["kind"]] += 1
         for f in MODEL_FLAGS:
-            c["model flags"][f] += ex["model"][f]
+            c["model flags"][f] += bool(ex["model"][f])
         c["optimizer"][ex["optimizer"]["name"]] += 1
         c["scheduler"][ex["scheduler"]["name"] if ex["scheduler"] else "-"] += 1
         c["optimization"][ex["optimization"]] += 1

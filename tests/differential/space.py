@@ -18,7 +18,8 @@ from typing import Any, Callable, Optional
 
 MODEL_KINDS = ("zoo", "transformer", "boring")  # zoo: ours (tokens, blocks); Lightning's demo Transformer, BoringModel
 #: "bag": a ShardedEmbeddingBag beside the zoo's token embedding (SparseSGD at its parameter group's lr; "ddp" trains
-#: a dense nn.EmbeddingBag in its place, tests/differential/models.py)
+#: a dense nn.EmbeddingBag in its place, tests/differential/models.py); True spreads it over the world, "node" over
+#: each node's ranks (a copy per node)
 MODEL_FLAGS = ("tied", "frozen", "never", "sometimes", "batchnorm", "dropout", "groups", "bag")
 
 #: torch.optim, every class with state a user would pick, each with the variants that change its state or arithmetic
@@ -131,7 +132,8 @@ def draw(seed: int, world: int) -> dict:
     # local SGD's sync: the plain average or DiLoCo's Nesterov outer step, blocking or overlapped with the next period
     ex["outer"] = rng.choice(("average", "nesterov"))
     ex["overlap"] = coin(0.5)
-    ex["model"]["bag"] = coin(0.25)
+    bag, span = coin(0.25), rng.choice((True, "node"))  # "node": span="node", a copy per node (2 nodes)
+    ex["model"]["bag"] = span if bag else False
     ex = constrain(ex)
     if refusal(ex) is not None and not keep_refused:
         ex = unrefuse(ex)
@@ -504,7 +506,7 @@ def summary(ex: dict) -> str:
     """One line naming the example's non-default choices."""
     m = ex["model"]
     parts = [f"w{ex['world']}" + (f"x{ex['rpn']}" if ex["rpn"] > 1 else ""), m["kind"]]
-    parts += [f for f in MODEL_FLAGS if m[f]]
+    parts += [f + ("-node" if m[f] == "node" else "") for f in MODEL_FLAGS if m[f]]
     parts.append(ex["optimizer"]["name"] + ("" if not ex["optimizer"]["kwargs"] else
                                             "(" + ",".join(f"{k}={v}" for k, v in ex["optimizer"]["kwargs"].items()
                                                            if k != "lr") + ")").replace("()", ""))

@@ -134,12 +134,13 @@ def strategy_of(spec: dict) -> Any:
 
 
 def whole_tables(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``weights`` with each sharded table whole (every rank's rows, gathered to every rank): as "ddp" holds it."""
+    """``weights`` with each sharded table whole (every rank's rows, gathered to every rank): as "ddp" holds it.
+    Ranks 0 .. n-1 hold one copy's rows in order (the world's, or under span="node" node 0's n ranks)."""
     for name, table in tables_of(model).items():
         if table.placed:
-            shards: list[Any] = [None] * table.world
+            shards: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(shards, table.weight.detach())
-            weights[f"{name}.weight"] = torch.cat(shards)
+            weights[f"{name}.weight"] = torch.cat(shards[:table.world])
     return weights
 
 

@@ -213,6 +213,32 @@ def parse_common(p: "argparse.ArgumentParser", argv: Optional[list[str]], smoke:
 # ---------------------------------------------------------------------- emulated nodes (root)
 
 
+def run_launches(launches: list[tuple[list[str], dict[str, str]]], timeout: float) -> tuple[list[int], list[str]]:
+    """Start every ``(command, environment)`` at once, each in its own session (one per emulated node: its
+    launcher starts the node's other ranks), wait for all under one deadline, and kill every one of them, whatever
+    happened. Returns their exit statuses and outputs."""
+    import signal
+
+    procs: list[subprocess.Popen] = []
+    logs: list[str] = []
+    try:
+        for cmd, env in launches:
+            procs.append(subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True))
+        deadline = time.time() + timeout
+        for p in procs:
+            try:
+                logs.append(p.communicate(timeout=max(1.0, deadline - time.time()))[0])
+            except subprocess.TimeoutExpired:
+                logs.append(f"timed out after {timeout:.0f} s")
+    finally:
+        for p in procs:  # every rank of every node, whatever happened
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    return [p.returncode for p in procs], logs
+
+
 def _sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, check=check, capture_output=True, text=True)
 
@@ -270,4 +296,5 @@ def default_burst(rate: str) -> str:
 
 
 __all__ = ["CGROUP_ENV", "Cgroup", "Namespaces", "cgroup_stats", "cpu_line", "cpu_model", "default_burst",
-           "join_cgroup", "new_cgroup", "parse_common", "parse_size", "probe_cgroup", "remove_cgroup", "run_cgroup"]
+           "join_cgroup", "new_cgroup", "parse_common", "parse_size", "probe_cgroup", "remove_cgroup", "run_cgroup",
+           "run_launches"]

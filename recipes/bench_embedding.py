@@ -37,9 +37,7 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -50,7 +48,7 @@ from typing import Any, Optional
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _bench import Namespaces, cpu_line, default_burst, parse_common  # noqa: E402
+from _bench import Namespaces, cpu_line, default_burst, parse_common, run_launches  # noqa: E402
 
 ARMS = ("dense", "sharded", "sharded-node", "torchrec")
 N_DENSE = 13
@@ -181,9 +179,13 @@ def run(spec: dict[str, Any], timeout: float, ns: Optional[Namespaces] = None) -
         for node in range(spec["nodes"]):
             prefix, extra = ns.command(node) if ns else ([], {"MASTER_ADDR": "127.0.0.1"})
             launches.append(([*prefix, *cmd], {**env, "NODE_RANK": str(node), **extra}))
-        codes, log = run_launches(launches, timeout) if spec["nodes"] > 1 else run_worker(cmd, env, timeout)
-        if codes or not out.exists():
-            print(f"  {spec['arm']} x{spec['ranks']} failed (exit {codes}):\n{log[-3000:]}", flush=True)
+        if spec["nodes"] > 1:
+            codes, logs = run_launches(launches, timeout)
+            code, log = max(abs(c) for c in codes), "\n".join(logs)
+        else:
+            code, log = run_worker(cmd, env, timeout)
+        if code or not out.exists():
+            print(f"  {spec['arm']} x{spec['ranks']} failed (exit {code}):\n{log[-3000:]}", flush=True)
             return None
         report = json.loads(out.read_text())
     ends = report["ends"][spec["warmup"] - 1:]
@@ -192,25 +194,6 @@ def run(spec: dict[str, Any], timeout: float, ns: Optional[Namespaces] = None) -
     return {"samples_s": spec["batch"] * spec["ranks"] / step, "table_mib": max(r["table_bytes"] for r in ranks) / MIB,
             "rss_mib": max(r["rss"] for r in ranks) / MIB, "sent_mib": max(r["sent"] for r in ranks) / MIB,
             "sent_all_mib": max(r["sent_all"] for r in ranks) / MIB}
-
-
-def run_launches(launches: list[tuple[list[str], dict[str, str]]], timeout: float) -> tuple[int, str]:
-    """Every launch at once, each in its own session; all killed at the deadline or the end. (exit status, logs)"""
-    procs = [subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for cmd, env in launches]
-    deadline, logs = time.time() + timeout, []
-    try:
-        for p in procs:
-            try:
-                logs.append(p.communicate(timeout=max(1.0, deadline - time.time()))[0])
-            except subprocess.TimeoutExpired:
-                logs.append(f"timed out after {timeout:.0f} s")
-    finally:
-        for p in procs:  # every rank of every node, whatever happened
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-    return max(abs(p.returncode or 0) for p in procs), "\n".join(logs)
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -38,9 +38,7 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -50,7 +48,7 @@ from typing import Any, Optional
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # _bench.py, gpt.py, lm_data.py, pretrain_gpt.py
 
-from _bench import Namespaces, cpu_line, default_burst  # noqa: E402
+from _bench import Namespaces, cpu_line, default_burst, run_launches  # noqa: E402
 
 ARMS = {
     "sync": {},
@@ -140,33 +138,18 @@ def run_arm(name: str, strategy: dict[str, Any], a: argparse.Namespace, ns: Opti
     spec = {"strategy": strategy, "per_node": a.per_node, "threads": a.threads, "loopback": ns is None,
             "steps": a.warmup + a.steps, "model": cfg.get("model", {}), "data": data}
     port = str(29500 + os.getpid() % 500)
-    procs = []
+    launches = []
+    for node in range(1 if ns is None else 2):
+        prefix, extra = ns.command(node) if ns else ([], {"MASTER_ADDR": "127.0.0.1"})
+        env = {**os.environ, "MASTER_PORT": port, "NODE_RANK": str(node), "OMP_NUM_THREADS": str(a.threads), **extra}
+        launches.append(([*prefix, sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec),
+                          "--out", str(out)], env))
     t0 = time.perf_counter()
-    try:
-        for node in range(1 if ns is None else 2):
-            prefix, extra = ns.command(node) if ns else ([], {"MASTER_ADDR": "127.0.0.1"})
-            env = {**os.environ, "MASTER_PORT": port, "NODE_RANK": str(node), "OMP_NUM_THREADS": str(a.threads),
-                   **extra}
-            cmd = [*prefix, sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec), "--out",
-                   str(out)]
-            procs.append(subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, text=True))
-        deadline = time.time() + a.timeout
-        logs = []
-        for p in procs:
-            try:
-                logs.append(p.communicate(timeout=max(1.0, deadline - time.time()))[0])
-            except subprocess.TimeoutExpired:
-                logs.append(f"timed out after {a.timeout} s")
-    finally:
-        for p in procs:  # every rank of every node, whatever happened
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+    codes, logs = run_launches(launches, a.timeout)
     wall = time.perf_counter() - t0
-    if any(p.returncode for p in procs) or not out.exists():
+    if any(codes) or not out.exists():
         tail = " / ".join(line.strip() for log in logs for line in log.strip().splitlines()[-3:])
-        return {"ok": False, "note": f"exit {[p.returncode for p in procs]} after {wall:.0f} s: {tail[-600:]}"}
+        return {"ok": False, "note": f"exit {codes} after {wall:.0f} s: {tail[-600:]}"}
     r = json.loads(out.read_text())
     ends = r["ends"]
     seconds = ends[-1] - ends[a.warmup - 1]

@@ -715,11 +715,14 @@ def test_peak_memory_is_a_layer_not_the_state(tmp_path):
     """A GPT whose gradients and AdamW state take 76 MB: in RAM the peak grows by that (and the activations, code
     pages) during training; with the store by a few layers' worth less than that: what streaming saves is most of
     the state (fresh processes, peak RSS = VmHWM, file-backed pages included; glibc's mmap threshold fixed in both,
-    so that freed buffers leave the process). One launch: each arm in a child forked from it after the imports."""
+    so that freed buffers leave the process). One launch: each arm twice, each time in a child forked from it after
+    the imports; each arm's smaller figures count."""
     out = run_script(MEMORY, [tmp_path], timeout=480, env={"MALLOC_MMAP_THRESHOLD_": "131072"})
-    figures = {arm: json.loads(line.split(" ", 1)[1]) for line in out.stdout.splitlines()
-               for arm in ("ram", "store") if line.startswith(f"{arm} {{")}
-    assert figures.keys() == {"ram", "store"}, out.stdout[-3000:]
+    runs = {arm: [json.loads(line.split(" ", 1)[1]) for line in out.stdout.splitlines()
+                  if line.startswith(f"{arm} {{")] for arm in ("ram", "store")}
+    assert all(len(r) == 2 for r in runs.values()), out.stdout[-3000:]
+    # each arm's smallest peak of its two runs: what else runs on the machine only ever raises a peak
+    figures = {arm: {k: min(r[k] for r in rs) for k in rs[0]} for arm, rs in runs.items()}
     added = figures["ram"]["added"]
     assert figures["ram"]["grown"] >= added, figures  # the gradients and the state, plus activations and code pages
     # the same fit with the store: everything but what the gradients and the state take (measured: 86% of them)

@@ -273,9 +273,7 @@ class ShardedEmbeddingBag(nn.Module):
             return
         rows, grad = self._pending
         self._pending = None
-        if not self.optimizer_state:
-            self.optimizer_state = self.optimizer.init_state(self.rows[1] - self.rows[0], self.embedding_dim,
-                                                             self.weight.dtype)
+        self._ensure_state()
         self.optimizer.step(self.weight.data, self.optimizer_state, rows, grad.to(self.weight.dtype), lr)
 
     # ------------------------------------------------------------------ state
@@ -297,6 +295,12 @@ class ShardedEmbeddingBag(nn.Module):
             lo, hi = self.rows
             state_dict[prefix + "weight"] = weight[lo:hi]
 
+    def _ensure_state(self) -> None:
+        """The sparse optimizer's state of this rank's rows, made (zeros) where the first step has not yet."""
+        if not self.optimizer_state:
+            lo, hi = self.rows
+            self.optimizer_state = self.optimizer.init_state(hi - lo, self.embedding_dim, self.weight.dtype)
+
     def optimizer_state_bytes(self) -> int:
         """Bytes the sparse optimizer's state of this rank's rows takes, or will once the first step creates it."""
         if self.optimizer_state:
@@ -311,11 +315,9 @@ class ShardedEmbeddingBag(nn.Module):
             return None
         if self.world == 1:
             return dict(self.optimizer_state)
-        names = sorted(self.optimizer.init_state(0, self.embedding_dim, self.weight.dtype))
-        if not self.optimizer_state and names:  # before the first step: zeros, as init_state makes them
-            self.optimizer_state = self.optimizer.init_state(self.rows[1] - self.rows[0], self.embedding_dim,
-                                                             self.weight.dtype)
-        full = {k: exchange.gather_rows(self.optimizer_state[k], self.bounds, self.group, self.rank) for k in names}
+        self._ensure_state()  # before the first step: zeros, as the first step makes them
+        full = {k: exchange.gather_rows(self.optimizer_state[k], self.bounds, self.group, self.rank)
+                for k in sorted(self.optimizer_state)}
         return full if self.rank == 0 else None
 
     def load_full_optimizer_state(self, state: dict[str, Tensor]) -> None:

@@ -20,7 +20,7 @@ from lightning.pytorch.demos.transformer import LightningTransformer
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from lightning_horizon import HorizonPrecision, HorizonStrategy
+from lightning_horizon import HorizonPrecision, HorizonStrategy, ThroughputMFUMonitor
 from lightning_horizon.memory import current_rss
 from lightning_horizon.sharding import (
     GraphSharder,
@@ -555,6 +555,55 @@ def test_profile_leaves_no_trace_in_user_state(profile):
     assert sharded.mean_loss._update_count == 3
     assert torch.equal(sharded.mean_loss.compute(), plain.mean_loss.compute())
     assert torch.equal(sharded.net.last_loss, plain.net.last_loss)
+
+
+class Compiled(L.LightningModule):
+    """A user's ``torch.compile``: the net compiled in place in configure_model, with a backend that counts the
+    graphs dynamo hands it and the calls of the compiled code (no inductor: the test is about dynamo's capture)."""
+
+    def __init__(self, compiled: bool):
+        super().__init__()
+        self.net, self.compiled, self.graphs, self.calls = tiny_gpt(layers=2, seq=32), compiled, 0, 0
+
+    def configure_model(self):
+        if self.compiled:
+            self.net.compile(backend=self._backend)
+
+    def _backend(self, gm, example_inputs):
+        self.graphs += 1
+
+        def run(*args):
+            self.calls += 1
+            return gm.forward(*args)
+
+        return run
+
+    def training_step(self, batch, batch_idx):
+        return self.net.training_step(batch, batch_idx)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_compiled_model_stays_compiled_through_the_profile_and_the_flop_count():
+    """The sharding profile and the monitor's FLOP count run the step under dispatch modes; dynamo refuses a frame
+    under one and marks its code "skip" for good, which ran a user's compiled model eagerly for the whole fit."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 64, (20, 32), generator=g)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.roll(-1, 1)), batch_size=4)
+    runs = []
+    for compiled in (False, True):
+        L.seed_everything(0, verbose=False)
+        model = Compiled(compiled)
+        monitor = ThroughputMFUMonitor(window_size=2)  # no flops_per_batch: it counts training batch 2
+        trainer = _fit(model, data, ShardingConfig(profile="real", adaptive=False), callbacks=[monitor], steps=5)
+        assert trainer.strategy.sharder.profile is not None and monitor.flops_per_batch > 0
+        runs.append(model)
+    eager, compiled = runs
+    # one graph, run by every step but the counted one (batch 2 runs eagerly under the count)
+    assert compiled.graphs == 1 and compiled.calls == 4
+    for (name, a), b in zip(eager.state_dict().items(), compiled.state_dict().values()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
 
 
 class DemoTransformer(LightningTransformer):

@@ -170,7 +170,7 @@ class ThroughputMFUMonitor(Callback):
 
     def _reset(self) -> None:
         self._throughput = Throughput(world_size=1, window_size=self.window_size)
-        self._counter: Optional[FlopCounterMode] = None
+        self._counter: Optional[tuple[FlopCounterMode, Any]] = None
         self._seen = self._batches = self._samples = self._items = 0
         self._tokens = True  # until a batch without a sequence axis is seen
         self._t0: Optional[float] = None
@@ -219,8 +219,11 @@ class ThroughputMFUMonitor(Callback):
                              batch_idx: int) -> None:
         if trainer.global_rank == 0 and self._seen == _SKIPPED - 1 and self.flops_from == "counted":
             # the mode sees every op of the step, backward included: one batch, once per fit
-            self._counter = FlopCounterMode(display=False)
-            self._counter.__enter__()
+            # the batch runs eagerly under force_eager: dynamo refuses a frame under a dispatch mode and marks its
+            # code "skip" for good (a torch.compile'd model would then run eagerly for the rest of the fit)
+            self._counter = (FlopCounterMode(display=False), torch.compiler.set_stance("force_eager"))
+            for mode in self._counter:
+                mode.__enter__()
 
     @override
     def on_train_batch_end(
@@ -301,7 +304,8 @@ class ThroughputMFUMonitor(Callback):
         """Close the FLOP count if one is open: the FLOPs it counted, else None."""
         if self._counter is None:
             return None
-        counter, self._counter = self._counter, None
+        (counter, eager), self._counter = self._counter, None
+        eager.__exit__(None, None, None)
         counter.__exit__(None, None, None)
         return counter.get_total_flops()
 

@@ -280,7 +280,10 @@ def _profile_once(module: nn.Module, batch: Any, batch_idx: int, fake: bool) -> 
         handles.append(m.register_forward_hook(prof.post, with_kwargs=True, always_call=True))
     rng = torch.get_rng_state()
     try:
-        with torch.enable_grad(), silenced(module):
+        # force_eager: a torch.compile'd module runs eagerly here. Dynamo refuses a frame under a dispatch mode
+        # (ours, the flop counter, FakeTensor) and marks its code "skip" for good: without this, the user's
+        # compiled model would run eagerly for the whole fit, silently.
+        with torch.enable_grad(), silenced(module), torch.compiler.set_stance("force_eager"):
             if fake_mode is not None:
                 fake_mode.__enter__()
             try:

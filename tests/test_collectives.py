@@ -427,8 +427,8 @@ def test_int8_blocks_of_any_size_round_trip_as_the_reference_quantization(block)
 @pytest.mark.parametrize("block", [3, 50, 64, 256])  # multiples of 64: the AVX-512 path where the CPU has it
 def test_int8_kernel_gives_the_torch_codecs_bytes_errors_and_sums(block):
     """The C kernel and the torch ops are one codec: the same packed bytes, the same error written or added, the
-    same decoded rows and the same row sum, bit for bit, including all-zero blocks and blocks holding NaN or inf
-    (which must decode non-finite)."""
+    same decoded rows and the same row sum, bit for bit, including all-zero blocks, blocks of subnormal values and
+    blocks holding NaN or inf (which must decode non-finite)."""
     native, ops = Codec("int8", int8_block=block, native=True), Codec("int8", int8_block=block, native=False)
     assert native.native and not ops.native
     torch.manual_seed(1)
@@ -436,6 +436,9 @@ def test_int8_kernel_gives_the_torch_codecs_bytes_errors_and_sums(block):
     for rows in (1, 4):
         x = torch.randn(rows, c) * 10
         x[0, 3 * block : 4 * block] = 0
+        # tiny blocks: 1 / scale overflows to inf (subnormal max), or is just finite (the clamp-free fast path)
+        x[0, 5 * block : 6 * block] *= 1e-42
+        x[0, 6 * block : 7 * block] *= 1e-37
         x[-1, 2], x[-1, block + 1] = float("nan"), float("-inf")
         for accumulate in (False, True):
             errors = [torch.randn(rows, c), None]

@@ -244,21 +244,36 @@ def _sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 class Namespaces:
-    """Two network namespaces (one per emulated node) joined by a veth pair; deleted on exit."""
+    """One network namespace per emulated node, deleted on exit. Two nodes are joined by a veth pair; more by a bridge
+    in a namespace of its own (a switch), each node on its own veth port: ``shape`` caps both directions of every
+    node's link, as a switch's ports would be."""
 
-    def __init__(self) -> None:
+    def __init__(self, nodes: int = 2) -> None:
+        if nodes < 2:
+            raise ValueError(f"Namespaces(nodes={nodes}): allowed is an int >= 2")
         tag = f"{os.getpid() % 100000}"
-        self.ns = [f"hzb{tag}n0", f"hzb{tag}n1"]
-        self.dev = [f"hzb{tag}v0", f"hzb{tag}v1"]
-        self.addr = ["10.231.7.1", "10.231.7.2"]
+        self.ns = [f"hzb{tag}n{i}" for i in range(nodes)]
+        self.dev = [f"hzb{tag}v{i}" for i in range(nodes)]
+        self.addr = [f"10.231.7.{i + 1}" for i in range(nodes)]
+        self.switch = f"hzb{tag}sw" if nodes > 2 else None
+        self.ports = [f"hzb{tag}p{i}" for i in range(nodes)] if self.switch else []
 
     def __enter__(self) -> "Namespaces":
         try:
-            for ns in self.ns:
+            for ns in self.ns + ([self.switch] if self.switch else []):
                 _sh("ip", "netns", "add", ns)
                 _sh("ip", "-n", ns, "link", "set", "lo", "up")
-            _sh("ip", "link", "add", self.dev[0], "netns", self.ns[0], "type", "veth", "peer", "name", self.dev[1],
-                "netns", self.ns[1])
+            if self.switch is None:
+                _sh("ip", "link", "add", self.dev[0], "netns", self.ns[0], "type", "veth", "peer", "name",
+                    self.dev[1], "netns", self.ns[1])
+            else:
+                _sh("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
+                _sh("ip", "-n", self.switch, "link", "set", "br0", "up")
+                for ns, dev, port in zip(self.ns, self.dev, self.ports):
+                    _sh("ip", "link", "add", dev, "netns", ns, "type", "veth", "peer", "name", port, "netns",
+                        self.switch)
+                    _sh("ip", "-n", self.switch, "link", "set", port, "master", "br0")
+                    _sh("ip", "-n", self.switch, "link", "set", port, "up")
             for ns, dev, addr in zip(self.ns, self.dev, self.addr):
                 _sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
                 _sh("ip", "-n", ns, "link", "set", dev, "up")
@@ -268,8 +283,9 @@ class Namespaces:
         return self
 
     def shape(self, rate: str, burst: str) -> bool:
-        """A tbf rate limit on both ends of the veth; False when the kernel refuses it."""
-        for ns, dev in zip(self.ns, self.dev):
+        """A tbf rate limit on both ends of every link; False when the kernel refuses it."""
+        ends = list(zip(self.ns, self.dev)) + [(self.switch, port) for port in self.ports]
+        for ns, dev in ends:
             r = _sh("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate,
                     "burst", burst, "latency", "100ms", check=False)
             if r.returncode:
@@ -278,11 +294,11 @@ class Namespaces:
         return True
 
     def __exit__(self, *exc) -> None:
-        for ns in self.ns:
-            _sh("ip", "netns", "del", ns, check=False)  # deleting a namespace deletes its end of the veth
+        for ns in self.ns + ([self.switch] if self.switch else []):
+            _sh("ip", "netns", "del", ns, check=False)  # deleting a namespace deletes its ends of the veths
 
     def command(self, node: int) -> tuple[list[str], dict[str, str]]:
-        """The command prefix and environment that run a process of emulated node ``node`` (0 or 1)."""
+        """The command prefix and environment that run a process of emulated node ``node``."""
         env = {"GLOO_SOCKET_IFNAME": self.dev[node], "MASTER_ADDR": self.addr[0]}
         return ["ip", "netns", "exec", self.ns[node]], env
 

@@ -1,8 +1,9 @@
-"""Benchmark: the cross-node sync of the recipe's GPT on 2 emulated nodes, synchronous against periodic and overlapped.
+"""Benchmark: the cross-node sync of the recipe's GPT on emulated nodes, synchronous against periodic and overlapped.
 
     python recipes/bench_sync.py                                    # as root: 1 Gbit/s, 2 nodes x 1 rank, H = 2, 4
     python recipes/bench_sync.py --rate 100mbit --periods 4 --steps 24
     python recipes/bench_sync.py --arms sync,local_sgd,overlap --periods 4
+    python recipes/bench_sync.py --nodes 4 --arms sync,local_sgd,overlap --periods 4   # 4 nodes on a bridge
     python recipes/bench_sync.py --smoke                            # CI: loopback, tiny GPT, seconds
 
 The arms (``--arms``), each a ``HorizonStrategy(collectives="hierarchical", ...)``:
@@ -14,11 +15,12 @@ The arms (``--arms``), each a ``HorizonStrategy(collectives="hierarchical", ...)
   applied one period late, on top of what each node trained meanwhile;
 - ``overlap_nesterov``: ``sync_every=H, outer="nesterov", sync_overlap=True``.
 
-Every periodic arm runs once per H of ``--periods``. As root with iproute2, each emulated node is a network namespace
-and the nodes are joined by a veth pair capped at ``--rate`` by tc's tbf (recipes/_bench.py, as bench_collectives.py
-does); each node is one Lightning launch (``num_nodes=2``, ``NODE_RANK``), whose launcher starts that node's other
-ranks inside the namespace. Without root (or with ``--no-netns``) both nodes run as one launch on loopback
-(``ranks_per_node``), with no link to cap: figures for a smoke test, not for reading.
+Every periodic arm runs once per H of ``--periods``. As root with iproute2, each of the ``--nodes`` emulated nodes
+is a network namespace; two are joined by a veth pair, more by a bridge (a switch in a namespace of its own, one
+veth port per node), every link capped at ``--rate`` by tc's tbf in both directions (recipes/_bench.py, as
+bench_collectives.py does); each node is one Lightning launch (``num_nodes``, ``NODE_RANK``), whose launcher starts
+that node's other ranks inside the namespace. Without root (or with ``--no-netns``) all nodes run as one launch on
+loopback (``ranks_per_node``), with no link to cap: figures for a smoke test, not for reading.
 
 Each arm trains GPTPretrain (recipes/pretrain_gpt.py; ``--config``'s model, the byte corpus of recipes/lm_data.py,
 the same seed and global batch in every arm) for ``--warmup`` + ``--steps`` steps on ``--threads`` threads per rank.
@@ -97,9 +99,9 @@ def worker(spec: dict[str, Any], out: str) -> None:
     if spec["loopback"]:
         kwargs["ranks_per_node"] = spec["per_node"]
     strategy = HorizonStrategy(collectives="hierarchical", threads_per_rank=spec["threads"], **kwargs)
-    loopback = spec["loopback"]
+    loopback, nodes = spec["loopback"], spec["nodes"]
     trainer = L.Trainer(
-        accelerator="cpu", devices=spec["per_node"] * (2 if loopback else 1), num_nodes=1 if loopback else 2,
+        accelerator="cpu", devices=spec["per_node"] * (nodes if loopback else 1), num_nodes=1 if loopback else nodes,
         strategy=strategy, max_steps=spec["steps"], logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
         callbacks=[Timer()],
@@ -135,11 +137,12 @@ def run_arm(name: str, strategy: dict[str, Any], a: argparse.Namespace, ns: Opti
         data["max_bytes"] = a.max_bytes
     out = tmp / f"{name}.json"
     out.unlink(missing_ok=True)
-    spec = {"strategy": strategy, "per_node": a.per_node, "threads": a.threads, "loopback": ns is None,
+    spec = {"strategy": strategy, "nodes": a.nodes, "per_node": a.per_node, "threads": a.threads,
+            "loopback": ns is None,
             "steps": a.warmup + a.steps, "model": cfg.get("model", {}), "data": data}
     port = str(29500 + os.getpid() % 500)
     launches = []
-    for node in range(1 if ns is None else 2):
+    for node in range(1 if ns is None else a.nodes):
         prefix, extra = ns.command(node) if ns else ([], {"MASTER_ADDR": "127.0.0.1"})
         env = {**os.environ, "MASTER_PORT": port, "NODE_RANK": str(node), "OMP_NUM_THREADS": str(a.threads), **extra}
         launches.append(([*prefix, sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec),
@@ -153,7 +156,7 @@ def run_arm(name: str, strategy: dict[str, Any], a: argparse.Namespace, ns: Opti
     r = json.loads(out.read_text())
     ends = r["ends"]
     seconds = ends[-1] - ends[a.warmup - 1]
-    tokens = a.batch * a.per_node * 2 * int(data["seq_len"]) * a.steps
+    tokens = a.batch * a.per_node * a.nodes * int(data["seq_len"]) * a.steps
     return {"ok": True, "tps": tokens / seconds, "loss": statistics.fmean(r["losses"][-a.loss_steps:]),
             "wait": r["outer_wait_s"], "wall": wall}
 
@@ -164,6 +167,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--periods", default="2,4", help="H of the periodic arms, comma-separated")
     p.add_argument("--config", default=str(HERE / "configs" / "small.yaml"), help="the recipe config (its model)")
     p.add_argument("--batch", type=int, default=8, help="sequences per rank and step")
+    p.add_argument("--nodes", type=int, default=2, help="emulated nodes (more than 2: joined by a bridge)")
     p.add_argument("--per-node", type=int, default=1, help="ranks per emulated node")
     p.add_argument("--threads", type=int, default=1, help="threads per rank")
     p.add_argument("--warmup", type=int, default=4, help="steps before the measured ones (a multiple of every H)")
@@ -171,7 +175,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--loss-steps", type=int, default=4, help="the loss is the mean over this many last steps")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--rate", default="1gbit", help="tc tbf rate of the inter-node link (root)")
-    p.add_argument("--no-netns", action="store_true", help="both nodes on loopback, no link cap")
+    p.add_argument("--no-netns", action="store_true", help="every node on loopback, no link cap")
     p.add_argument("--max-bytes", type=int, default=0, help="corpus bytes (0: the recipe's default)")
     p.add_argument("--cache-dir", default=None, help="token cache folder (lm_data's default if unset)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per arm, then every rank is killed")
@@ -193,19 +197,21 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         p.error(f"--arms {','.join(a.arms)!r}: allowed are {', '.join(ARMS)}")
     if any(h < 2 for h in a.periods) or (set(a.arms) - {"sync"} and not a.periods):
         p.error(f"--periods {a.periods}: periodic arms need H >= 2")
+    if a.nodes < 2:
+        p.error(f"--nodes {a.nodes}: allowed is an int >= 2")
     if a.warmup < 1 or a.steps < 1 or not 1 <= a.loss_steps <= a.warmup + a.steps:
         p.error(f"--warmup {a.warmup}, --steps {a.steps}, --loss-steps {a.loss_steps}: allowed are warmup >= 1,"
                 " steps >= 1, 1 <= loss-steps <= warmup + steps")
     netns = not a.no_netns and os.geteuid() == 0 and shutil.which("ip") is not None
     if not a.no_netns and not netns:
-        print("bench_sync: not root (or no iproute2): both nodes on loopback, no link cap; tokens/s compare nothing")
+        print("bench_sync: not root (or no iproute2): every node on loopback, no link cap; tokens/s compare nothing")
     specs = arm_specs(a)
-    print(cpu_line(f"2 nodes x {a.per_node} rank(s) x {a.threads} thread(s)",
+    print(cpu_line(f"{a.nodes} nodes x {a.per_node} rank(s) x {a.threads} thread(s)",
                    f"link {a.rate} (tbf)" if netns else "loopback"), flush=True)
     rows: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in specs}
     with tempfile.TemporaryDirectory(prefix="bench_sync-") as tmp_name:
         tmp = Path(tmp_name)
-        ns_cm = Namespaces() if netns else None
+        ns_cm = Namespaces(a.nodes) if netns else None
         ns = ns_cm.__enter__() if ns_cm else None
         try:
             if ns is not None and not ns.shape(a.rate, default_burst(a.rate)):

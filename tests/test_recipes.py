@@ -698,15 +698,18 @@ def test_bench_out_of_core_smoke(tmp_path, cache_dir, capsys, bench_here):
 
 
 def test_bench_sync_smoke(cache_dir, capsys, bench_here):
-    """bench_sync.py on loopback (2 emulated nodes of 1 rank in one launch): the synchronous arm and the overlapped
+    """bench_sync.py on loopback (3 emulated nodes of 1 rank in one launch): the synchronous arm and the overlapped
     DiLoCo arm train the tiny GPT to a finite loss and the table compares them; every arm's keywords build a
     HorizonStrategy."""
     import bench_sync
 
     for arm in bench_sync.ARMS.values():
         assert isinstance(HorizonStrategy(sync_every=2, **arm) if arm else HorizonStrategy(), HorizonStrategy)
-    result = bench_sync.main(["--smoke", "--cache-dir", str(cache_dir), "--timeout", "180"])
+    result = bench_sync.main(["--smoke", "--nodes", "3", "--cache-dir", str(cache_dir), "--timeout", "180"])
     out = capsys.readouterr().out
     assert set(result) == {"sync", "overlap_nesterov-H2"}, out
     assert all(r["tps"] > 0 and math.isfinite(r["loss"]) for r in result.values()), result
-    assert "| overlap_nesterov-H2 |" in out and "loopback" in out
+    assert "| overlap_nesterov-H2 |" in out and "loopback" in out and "3 nodes x 1 rank(s)" in out
+    with pytest.raises(SystemExit):
+        bench_sync.main(["--smoke", "--nodes", "1"])
+    assert "--nodes 1: allowed is an int >= 2" in capsys.readouterr().err

@@ -257,10 +257,11 @@ class Namespaces:
         self.addr = [f"10.231.7.{i + 1}" for i in range(nodes)]
         self.switch = f"hzb{tag}sw" if nodes > 2 else None
         self.ports = [f"hzb{tag}p{i}" for i in range(nodes)] if self.switch else []
+        self.namespaces = self.ns + ([self.switch] if self.switch else [])  # every one made, and deleted on exit
 
     def __enter__(self) -> "Namespaces":
         try:
-            for ns in self.ns + ([self.switch] if self.switch else []):
+            for ns in self.namespaces:
                 _sh("ip", "netns", "add", ns)
                 _sh("ip", "-n", ns, "link", "set", "lo", "up")
             if self.switch is None:
@@ -294,7 +295,7 @@ class Namespaces:
         return True
 
     def __exit__(self, *exc) -> None:
-        for ns in self.ns + ([self.switch] if self.switch else []):
+        for ns in self.namespaces:
             _sh("ip", "netns", "del", ns, check=False)  # deleting a namespace deletes its ends of the veths
 
     def command(self, node: int) -> tuple[list[str], dict[str, str]]:

@@ -138,8 +138,7 @@ def run_arm(name: str, strategy: dict[str, Any], a: argparse.Namespace, ns: Opti
     out = tmp / f"{name}.json"
     out.unlink(missing_ok=True)
     spec = {"strategy": strategy, "nodes": a.nodes, "per_node": a.per_node, "threads": a.threads,
-            "loopback": ns is None,
-            "steps": a.warmup + a.steps, "model": cfg.get("model", {}), "data": data}
+            "loopback": ns is None, "steps": a.warmup + a.steps, "model": cfg.get("model", {}), "data": data}
     port = str(29500 + os.getpid() % 500)
     launches = []
     for node in range(1 if ns is None else a.nodes):

@@ -2,10 +2,13 @@
 
     python recipes/bench_precision.py --threads 1                          # ~12M-param GPT, 3 rounds
     python recipes/bench_precision.py --dim 256 --heads 4 --layers 2 --rounds 1   # quicker
+    python recipes/bench_precision.py --configs "horizon auto" --compile both      # torch.compile against eager
 
 Configs: Lightning's fp32 ("32-true") and "bf16-mixed", then HorizonPrecision's "auto" (and "auto" with compute
 forced to fp32: what "auto" runs on CPUs without native bf16), bf16-true with an fp32 master and with Kahan
 compensation (compute "auto"), and bf16-true + kahan with compute forced to fp32 (bf16-true on such CPUs).
+``--compile on`` compiles the GPT (``torch.compile``, inductor) in every config; ``both`` runs every config eager and
+compiled ("+ compile"), interleaved the same way (the compile happens in the warm-up steps, which are not timed).
 Where intel_extension_for_pytorch is installed with its torch (``bash .ci/ipex`` builds that environment),
 HorizonPrecision's "bf16-mixed" with ``backend="native"`` and with ``backend="ipex"`` (ipex.optimize: prepacked
 weights, its fused AdamW) join the default configs; asking for the IPEX one without IPEX is an error.
@@ -96,9 +99,16 @@ ANALYTIC = {"fp32 (32-true)": ("fp32", None), "lightning bf16-mixed": ("bf16-mix
             "horizon bf16-mixed native": ("bf16-mixed", None), "horizon bf16-mixed ipex": ("bf16-mixed", None)}
 
 
-def run_one(name: str, args: argparse.Namespace, data: torch.Tensor) -> Probe:
+COMPILED = " + compile"
+
+
+def run_one(label: str, args: argparse.Namespace, data: torch.Tensor) -> Probe:
+    """One fit of the config ``label`` names (a config of CONFIGS, compiled where it ends in COMPILED)."""
     torch.manual_seed(0)
     model = LitGPT(args.vocab, args.dim, args.layers, args.heads, args.seq, args.attention)
+    name = label.removesuffix(COMPILED)
+    if name != label:
+        model.net.compile()
     probe = Probe(args.warmup)
     trainer = L.Trainer(
         accelerator="cpu", devices=1, max_steps=args.warmup + args.steps, logger=False, enable_checkpointing=False,
@@ -138,10 +148,14 @@ def main() -> None:
     ipex, why = ipex_status()
     default = [n for n in CONFIGS if ipex is not None or n not in IPEX_CONFIGS]
     ap.add_argument("--configs", nargs="*", default=default, choices=list(CONFIGS))
-    ap.add_argument("--rss-of", choices=list(CONFIGS), help=argparse.SUPPRESS)  # the child that measures peak RSS
+    ap.add_argument("--compile", choices=("off", "on", "both"), default="off",
+                    help="torch.compile the GPT: in no config, in every config, or each config both ways")
+    ap.add_argument("--rss-of", help=argparse.SUPPRESS)  # the child that measures peak RSS of one label
     args = ap.parse_args()
     if ipex is None and "horizon bf16-mixed ipex" in args.configs:
         ap.error(f"--configs 'horizon bf16-mixed ipex' needs IPEX: {why}")
+    labels = {"off": [""], "on": [COMPILED], "both": ["", COMPILED]}[args.compile]
+    args.configs = [name + suffix for name in args.configs for suffix in labels]
     torch.set_num_threads(args.threads)
     data = markov_tokens(args.batch * (args.warmup + args.steps), args.seq, args.vocab)
     if args.rss_of:
@@ -154,7 +168,7 @@ def main() -> None:
     print(f"ISA: {cpu.isa().description}; native bf16: {cpu.isa().native_bf16}; torch {torch.__version__}; "
           f"IPEX: {ipex.__version__ if ipex is not None else why}; threads {args.threads}")
 
-    results: dict[str, list[Probe]] = {name: [] for name in args.configs}
+    results: dict[str, list[Probe]] = {label: [] for label in args.configs}
     for r in range(args.rounds):
         for name in args.configs:
             results[name].append(run_one(name, args, data))
@@ -176,16 +190,17 @@ def main() -> None:
     n_params = results[base_name][-1].params
     print(f"\nGPT {n_params / 1e6:.2f}M params, batch {args.batch} x {args.seq} tokens, AdamW; ratios against "
           f"{base_name!r}; bytes/param held after a step (weights + master/comp + grads + optimizer state)")
-    print(f"{'config':40s} {'tok/s':>8s} {'ratio':>6s} {'spread':>6s} {'peakRSS MB':>10s}  {'w':>4s} {'m':>4s} "
+    print(f"{'config':50s} {'tok/s':>8s} {'ratio':>6s} {'spread':>6s} {'peakRSS MB':>10s}  {'w':>4s} {'m':>4s} "
           f"{'g':>4s} {'s':>4s} {'B/param':>7s} {'analytic':>8s} {'vs fp32':>7s}")
     for name, probes in results.items():
         held = probes[-1].held
         per = {k: v / n_params for k, v in held.items()}
-        analytic = bytes_per_param(*ANALYTIC[name])["total"] if name in ANALYTIC else float("nan")
+        base = name.removesuffix(COMPILED)
+        analytic = bytes_per_param(*ANALYTIC[base])["total"] if base in ANALYTIC else float("nan")
         peak = peaks[name] / 2**20
         rounds = [statistics.median(p.times) for p in probes]  # (max - min) / median of the per-round medians
         spread = (max(rounds) - min(rounds)) / statistics.median(rounds)
-        print(f"{name:40s} {speed[name]:8.0f} {speed[name] / speed[base_name]:6.2f} {spread:6.0%} {peak:10.0f}  "
+        print(f"{name:50s} {speed[name]:8.0f} {speed[name] / speed[base_name]:6.2f} {spread:6.0%} {peak:10.0f}  "
               f"{per['weights']:4.1f} {per['master']:4.1f} {per['grads']:4.1f} {per['state']:4.1f} "
               f"{per['total']:7.2f} {analytic:8d} {held['total'] / fp32_bytes:7.1%}")
 

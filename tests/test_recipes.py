@@ -547,6 +547,13 @@ def test_bench_precision_smoke(monkeypatch, capsys):
     measured, analytic = row.split()[-3:-1]
     assert float(measured) == float(analytic) == 10  # bytes per parameter: bf16 weight + compensation + grad + state
 
+    # --compile both: every config eager and compiled, side by side, with the same bytes per parameter
+    monkeypatch.setattr(sys, "argv", [*sys.argv[:-1], "horizon auto", "--compile", "both"])
+    bench_precision.main()
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("horizon auto ")]
+    assert len(rows) == 2 and rows[1][2:4] == ["+", "compile"], rows
+    assert float(rows[0][2]) > 0 and float(rows[1][4]) > 0 and rows[0][-3] == rows[1][-3] == "16.00", rows
+
 
 def test_bench_sharding_smoke(monkeypatch, capsys):
     """One block, 16 tokens, one allocator, one step: plain, per-block checkpointing and a plan, each in its own

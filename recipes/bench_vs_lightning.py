@@ -91,7 +91,7 @@ ARMS: dict[str, dict[str, Any]] = {
     "horizon-bf16": {"kind": "horizon", "procs": 1, "compute": "bf16"},  # "auto" before it judged the model's width
     "horizon-foreach": {"kind": "horizon", "procs": 1, "model": {"optimizer_impl": "foreach"}},
     "horizon-compile": {"kind": "horizon", "procs": 1, "model": {"compile": True}},
-    "horizon-eager": {"kind": "horizon", "procs": 1, "model": {"compile": False}},  # where the config compiles
+    "horizon-eager": {"kind": "horizon", "procs": 1, "model": {"compile": False}},  # for a --config that compiles
     "horizon-sdpa": {"kind": "horizon", "procs": 1, "model": {"attention": "sdpa"}},
     "horizon-nopin": {"kind": "horizon", "procs": 1, "strategy": {"pin_cores": False}},
     # the defaults one at a time against plain Lightning (where a tax comes from): GradNormBackoff replaced by

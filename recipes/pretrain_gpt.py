@@ -71,8 +71,7 @@ class GPTPretrain(L.LightningModule):
         betas: AdamW betas.
         optimizer_impl: AdamW's kernel: ``"fused"`` (one fused kernel per parameter), ``"foreach"`` (torch's
             multi-tensor default) or ``"for-loop"``.
-        compile: wrap the model in ``torch.compile`` (inductor; small.yaml and 125m.yaml turn it on: 0.92-0.96x the
-            step time after a first step that compiles, docs/recipes.md).
+        compile: wrap the model in ``torch.compile`` (inductor).
     """
 
     def __init__(

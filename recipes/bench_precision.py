@@ -154,6 +154,8 @@ def main() -> None:
     args = ap.parse_args()
     if ipex is None and "horizon bf16-mixed ipex" in args.configs:
         ap.error(f"--configs 'horizon bf16-mixed ipex' needs IPEX: {why}")
+    if args.rss_of is not None and args.rss_of.removesuffix(COMPILED) not in CONFIGS:
+        ap.error(f"--rss-of {args.rss_of!r}: allowed is a config of --configs, optionally ending in {COMPILED!r}")
     labels = {"off": [""], "on": [COMPILED], "both": ["", COMPILED]}[args.compile]
     args.configs = [name + suffix for name in args.configs for suffix in labels]
     torch.set_num_threads(args.threads)
@@ -195,8 +197,8 @@ def main() -> None:
     for name, probes in results.items():
         held = probes[-1].held
         per = {k: v / n_params for k, v in held.items()}
-        base = name.removesuffix(COMPILED)
-        analytic = bytes_per_param(*ANALYTIC[base])["total"] if base in ANALYTIC else float("nan")
+        config = name.removesuffix(COMPILED)
+        analytic = bytes_per_param(*ANALYTIC[config])["total"] if config in ANALYTIC else float("nan")
         peak = peaks[name] / 2**20
         rounds = [statistics.median(p.times) for p in probes]  # (max - min) / median of the per-round medians
         spread = (max(rounds) - min(rounds)) / statistics.median(rounds)

@@ -120,7 +120,7 @@ static inline __attribute__((always_inline)) void encode(const float *restrict x
 #ifdef HORIZON_AVX512
                 if (block % 64 == 0) {
                     const int mode = er ? 1 + accumulate : 0;
-                    if (inv <= 3.4028235e38f) /* finite: no clamp needed */
+                    if (isfinite(inv)) /* no clamp needed */
                         encode_finite_avx512(xr + b, block, s, inv, q + b, er ? er + b : 0, mode, 0);
                     else
                         encode_finite_avx512(xr + b, block, s, inv, q + b, er ? er + b : 0, mode, 1);

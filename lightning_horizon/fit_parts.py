@@ -27,7 +27,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
 from lightning_horizon import memory, placement
-from lightning_horizon.collectives import GradientSync
+from lightning_horizon.collectives import CostModel, GradientSync
+from lightning_horizon.collectives.probe import probe
 from lightning_horizon.embedding import EmbeddingTables, table_groups, tables_of
 from lightning_horizon.node_state import NodeState, resolve_group_nodes
 from lightning_horizon.parts import Parts
@@ -98,9 +99,15 @@ def add_tables(strategy: Any, model: nn.Module) -> EmbeddingTables:
             " other nodes, which hold other rows of the table; use sync_every=1")
     old = strategy.parts.last("embedding")
     groups = old.groups if old is not None else table_groups(strategy.topology)
-    tables = EmbeddingTables(model, strategy.training_state, strategy.topology, groups)
+    tables = EmbeddingTables(model, strategy.training_state, strategy.topology, groups, lambda: links(strategy))
     strategy.parts.add("embedding", tables)
     return tables
+
+
+def links(strategy: Any) -> CostModel:
+    """The link constants: the strategy's ``cost_model``, or the probe's (collective: every rank calls it)."""
+    given = strategy.options.collectives.cost_model
+    return given if given is not None else probe(strategy.process_groups, ())
 
 
 def comm_hook(strategy: Any, module: nn.Module) -> tuple[GradientSync, Callable[..., Any]]:

@@ -41,8 +41,8 @@ class TrainingState:
         #: out-of-core training (lightning_horizon/store/): the StateStore that holds weights, gradients, masters
         #: and optimizer state in memory-mapped files; ``None``: they live where torch allocates them
         self.store: Optional[Any] = None
-        #: parameter -> (the table holding its sparse gradient, the ranks that hold one copy of it: embedding/)
-        self._sparse: dict[Tensor, tuple[Any, Optional[Any]]] = {}
+        #: parameter -> the table holding its sparse gradient (embedding/)
+        self._sparse: dict[Tensor, Any] = {}
 
     # ------------------------------------------------------------------ ownership (node-sharded state)
 
@@ -66,8 +66,8 @@ class TrainingState:
         by_group: dict[Any, list[Tensor]] = {}  # each copy's ranks hold its rows' gradients once: summed there
         for p in params:
             if p in self._sparse:
-                table, group = self._sparse[p]
-                by_group.setdefault(group, []).append(table.gradient_share(norm_type).to(dense.dtype))
+                table = self._sparse[p]
+                by_group.setdefault(table.copy_group, []).append(table.gradient_share(norm_type).to(dense.dtype))
         if not by_group:
             return dense
         inf = math.isinf(norm_type)
@@ -87,7 +87,7 @@ class TrainingState:
             coef = torch.tensor(factor, dtype=total_norm.dtype)  # exactly clip_grads_' (its dtype, as a float)
             for p in params:
                 if p in self._sparse:
-                    self._sparse[p][0].scale_gradient(coef)
+                    self._sparse[p].scale_gradient(coef)
         return factor
 
     def skip(self, params: Iterable[Tensor]) -> None:
@@ -96,17 +96,18 @@ class TrainingState:
         for p in params:
             p.grad = None
             if p in self._sparse:
-                self._sparse[p][0].drop_gradient()
+                self._sparse[p].drop_gradient()
 
-    def register_sparse(self, param: Tensor, table: Any, group: Optional[Any]) -> None:
+    def register_sparse(self, param: Tensor, table: Any) -> None:
         """``param``'s gradient is held by ``table`` (``gradient_share``, ``scale_gradient``, ``drop_gradient``),
-        one copy of it sharded over ``group`` (``None``: on this rank alone): counted in :meth:`grad_norm`, scaled
-        by :meth:`clip`, dropped by :meth:`skip`."""
-        self._sparse[param] = (table, group)
+        one copy of it sharded over ``table.copy_group`` (``None``: on this rank alone; read at each norm, as a
+        ``span="auto"`` table may move at its first lookup): counted in :meth:`grad_norm`, scaled by
+        :meth:`clip`, dropped by :meth:`skip`."""
+        self._sparse[param] = table
 
     def sparse_tables(self) -> list[Any]:
         """The tables registered by :meth:`register_sparse` (for memory estimates)."""
-        return [table for table, _ in self._sparse.values()]
+        return list(self._sparse.values())
 
     def unregister_sparse(self) -> None:
         self._sparse = {}

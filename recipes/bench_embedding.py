@@ -4,6 +4,8 @@
     python recipes/bench_embedding.py --rows 2000000 --ranks 4 --rounds 1
     python recipes/bench_embedding.py --smoke                            # CI: 10k rows, 2 ranks, 3 steps
     python recipes/bench_embedding.py --nodes 2 --ranks 4 --arms sharded,sharded-node --rate 1gbit  # root
+    python recipes/bench_embedding.py --nodes 2 --ranks 4 --arms sharded,sharded-node,sharded-auto --rows 20000 \
+        --fields 256                         # root: a small table looked up many times per sample
 
 The model is a DLRM-style click/risk model: ``--fields`` id fields per sample (each id one row of one shared table of
 ``--rows`` x ``--dim``, the rows summed per sample: an embedding bag), 13 dense features, an MLP. The data: ids drawn
@@ -15,8 +17,11 @@ cost does not depend on them). The arms:
   gradient and two moments, DDP all-reduces the whole table's gradient every step, AdamW updates every row;
 - ``sharded``: ``ShardedEmbeddingBag`` (row-wise Adagrad; ``init_seed``, so each rank draws only its own rows) under
   ``HorizonStrategy``, the MLP with the same AdamW;
+- ``sharded``: spread over the world's ranks (``span="world"``);
 - ``sharded-node``: the same with ``span="node"`` (a copy of the table per node, lookups inside the node, the touched
   rows' gradients summed across nodes): the same as ``sharded`` on one node;
+- ``sharded-auto``: the same with ``span="auto"`` (the default: spread, or moved to a copy per node at the first
+  lookup where the measured links and that batch's ids predict it cheaper); its row says what it chose;
 - ``torchrec``: TorchRec's sharded ``EmbeddingBagCollection`` where it installs beside this torch; otherwise the
   line says why it is skipped.
 
@@ -50,7 +55,8 @@ sys.path.insert(0, str(HERE))
 
 from _bench import Namespaces, cpu_line, default_burst, parse_common, run_launches  # noqa: E402
 
-ARMS = ("dense", "sharded", "sharded-node", "torchrec")
+ARMS = ("dense", "sharded", "sharded-node", "sharded-auto", "torchrec")
+SPANS = {"sharded": "world", "sharded-node": "node", "sharded-auto": "auto"}
 N_DENSE = 13
 MIB = 2**20
 SMOKE = dict(rows=10_000, ranks="2", steps=3, warmup=1, rounds=1, batch=64)
@@ -95,7 +101,7 @@ def worker(spec: dict[str, Any], out: str) -> None:
             if spec["arm"].startswith("sharded"):
                 # seeded: each rank draws only the rows it holds, never the whole table
                 self.table = ShardedEmbeddingBag(rows, dim, mode="sum", optimizer=RowWiseAdagrad(lr=0.05),
-                                                 init_seed=0, span="node" if spec["arm"] == "sharded-node" else "world")
+                                                 init_seed=0, span=SPANS[spec["arm"]])
             else:
                 self.table = nn.EmbeddingBag(rows, dim, mode="sum")
             self.mlp = nn.Sequential(nn.Linear(N_DENSE + dim, 256), nn.ReLU(), nn.Linear(256, 128), nn.ReLU(),
@@ -135,7 +141,7 @@ def worker(spec: dict[str, Any], out: str) -> None:
                 self.sent_rest = ring * sum(p.numel() * p.element_size() for p in module.mlp.parameters())
             mine = {"table_bytes": table.numel() * table.element_size() + grad
                     + sum(t.numel() * t.element_size() for t in state), "rss": peak_rss(), "sent": self.sent,
-                    "sent_all": self.sent + self.sent_rest}
+                    "sent_all": self.sent + self.sent_rest, "copies": getattr(module.table, "copies", 1)}
             everyone = [None] * trainer.world_size
             torch.distributed.all_gather_object(everyone, mine)
             if trainer.global_rank == 0:
@@ -187,13 +193,21 @@ def run(spec: dict[str, Any], timeout: float, ns: Optional[Namespaces] = None) -
         if code or not out.exists():
             print(f"  {spec['arm']} x{spec['ranks']} failed (exit {code}):\n{log[-3000:]}", flush=True)
             return None
+        for line in log.splitlines():  # span="auto"'s choice, as rank 0 logged it
+            if "span='auto'" in line:
+                print(f"    {line.strip()}", flush=True)
         report = json.loads(out.read_text())
     ends = report["ends"][spec["warmup"] - 1:]
     step = statistics.median(b - a for a, b in zip(ends, ends[1:]))
     ranks = report["ranks"]
     return {"samples_s": spec["batch"] * spec["ranks"] / step, "table_mib": max(r["table_bytes"] for r in ranks) / MIB,
             "rss_mib": max(r["rss"] for r in ranks) / MIB, "sent_mib": max(r["sent"] for r in ranks) / MIB,
-            "sent_all_mib": max(r["sent_all"] for r in ranks) / MIB}
+            "sent_all_mib": max(r["sent_all"] for r in ranks) / MIB, "copies": ranks[0]["copies"]}
+
+
+def span_of(arm: str, result: dict[str, Any]) -> str:
+    """What ``span="auto"`` chose, for its row: ``" (node)"``, a copy per node, or ``" (world)"``."""
+    return f" ({'node' if result['copies'] > 1 else 'world'})" if arm == "sharded-auto" else ""
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -247,7 +261,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                     res = run(spec, a.timeout, ns)
                     if res is not None:
                         results.setdefault((arm, ranks), []).append(res)
-                        print(f"  round {r + 1} {arm} x{ranks}: {res['samples_s']:,.0f} samples/s", flush=True)
+                        print(f"  round {r + 1} {arm}{span_of(arm, res)} x{ranks}: {res['samples_s']:,.0f}"
+                              " samples/s", flush=True)
     rows = []
     print("\n| arm | ranks | samples/s (min-max) | table + state per rank | peak RSS per rank | sent per rank"
           " and step: table / all |\n|---|---|---|---|---|---|")
@@ -255,7 +270,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         med = {k: statistics.median(x[k] for x in rs) for k in rs[0]}
         speeds = [x["samples_s"] for x in rs]
         rows.append({"arm": arm, "ranks": ranks, **med, "rounds": rs})
-        print(f"| {arm} | {ranks} | {med['samples_s']:,.0f} ({min(speeds):,.0f}-{max(speeds):,.0f}) |"
+        print(f"| {arm}{span_of(arm, rs[-1])} | {ranks} | {med['samples_s']:,.0f} ({min(speeds):,.0f}-{max(speeds):,.0f}) |"
               f" {med['table_mib']:,.1f} MiB | {med['rss_mib']:,.0f} MiB | {med['sent_mib']:,.3f} /"
               f" {med['sent_all_mib']:,.3f} MiB |")
     for ranks in sorted({k[1] for k in results}):

@@ -59,10 +59,10 @@ FIXED = [
     {**simplest(4, seed=25), **_W4, "state": "node_sharded", "shard_nodes": 2, "model": {**simplest()["model"],
      "tied": True, "never": True}, "optimizer": {"name": "AdamW", "kwargs": {"lr": 1e-2, "weight_decay": 0.1}},
      "clip": {"where": "trainer", "algorithm": "norm", "value": 0.05}},
-    # a sharded embedding table (embedding.md): a schedule whose initial_lr is its own, a clip by the global norm, a
-    # resume on one rank; a copy per node (span="node") on 2 nodes x 2 with a codec on the rest, recompute and
-    # GradNormBackoff
-    {**simplest(2, seed=28), **_W2, "model": {**simplest()["model"], "bag": True, "groups": True},
+    # a sharded embedding table (embedding.md): span="auto" (moved at its first lookup, by the "slow" links), a
+    # schedule whose initial_lr is its own, a clip by the global norm, a resume on one rank; a copy per node
+    # (span="node") on 2 nodes x 2 with a codec on the rest, recompute and GradNormBackoff
+    {**simplest(2, seed=28), **_W2, "model": {**simplest()["model"], "bag": "auto", "groups": True},
      "scheduler": {"name": "OneCycleLR", "interval": "step"}, "clip": {"where": "trainer", "algorithm": "norm",
                                                                         "value": 0.05},
      "resume": {"from": "during", "layout": "world1"}},

@@ -11,7 +11,10 @@ sparse optimizers, the unplaced module stepping itself; GradNormBackoff's and Li
 (the tables' gradients counted); the saved table loads into ``nn.EmbeddingBag`` with ``strict=True``; a checkpoint
 of 4 ranks resumes on 2 (and one of 2 on 2) as if never interrupted; validate after fit gives the reference's loss.
 On 2 emulated nodes x 2 with ``span="node"`` (a copy of each table per node, its rows' gradients summed across the
-nodes): the same reference, and a checkpoint that resumes with the tables spread over the world.
+nodes): the same reference, and a checkpoint that resumes with the tables spread over the world. With
+``span="auto"``: on a slow link between the nodes the tables move to a copy per node at the first lookup (a fresh
+fit, and one resumed from a checkpoint of tables spread over the world, whose rows and optimizer state move), on
+latency-bound links they stay spread; either way the reference's results.
 """
 
 from __future__ import annotations
@@ -19,14 +22,17 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_horizon.collectives import CostModel
 from lightning_horizon.embedding import (RowWiseAdagrad, RowWiseAdam, ShardedEmbeddingBag, SparseAdagrad,
                                         table_owners, tables_of)
+from lightning_horizon.embedding.span import SpanChoice, Traffic, predict
 from tests.launch import REPO, run_script
 from tests.scripts.embedding_fit import BATCH, CLIP, ROWS, SMALL, Risk, dataset
 
@@ -44,6 +50,11 @@ RUNS_4 = [
     {"name": "node", "optimizer": "rowwise_adagrad", "dense": "AdamW", "clip": "backoff", "weights": True,
      "span": "node", "rpn": 2, "steps": STEPS},
     {"name": "nodehalf", "optimizer": "rowwise_adagrad", "dense": "AdamW", "span": "node", "rpn": 2, "steps": 2},
+    # span="auto" on 2 emulated nodes x 2: moved to a copy per node at the first lookup, or left spread
+    {"name": "auto", "optimizer": "rowwise_adam", "dense": "AdamW", "clip": "backoff", "weights": True,
+     "span": "auto", "rpn": 2, "links": "slow-inter", "steps": STEPS},
+    {"name": "autoworld", "optimizer": "rowwise_adagrad", "dense": "AdamW", "span": "auto", "rpn": 2,
+     "links": "latency", "steps": STEPS},
 ]
 # one batch per epoch: every resumed step takes the same data, wherever Lightning's loop resumes its epoch
 RESUME = {"optimizer": "rowwise_adagrad", "dense": "AdamW", "steps": 4, "epoch_steps": 1}
@@ -61,6 +72,9 @@ def fits(tmp_path_factory) -> dict[int, Path]:
     out = {4: work / "w4", 2: work / "w2"}
     for world, runs in ((4, RUNS_4), (2, RUNS_2)):
         out[world].mkdir()
+        if world == 4:  # a checkpoint of tables spread over the world resumes into span="auto", which moves them
+            runs = runs + [{**RESUME, "name": "autofrom", "span": "auto", "rpn": 2, "links": "slow-inter",
+                            "resume_from": str(out[4] / "half.ckpt")}]
         if world == 2:  # the 4-rank checkpoint resumes on 2 ranks; the 2-rank one on 2
             runs = runs + [{**RESUME, "name": "from4", "resume_from": str(out[4] / "half.ckpt")},
                            {**RESUME, "name": "from2", "resume_from": str(out[2] / "own.ckpt")},
@@ -122,8 +136,8 @@ def assert_matches(folder: Path, name: str, model: Risk, losses: list[float]) ->
     plain.load_state_dict({"weight": state["smalls.1.weight"]}, strict=True)  # held whole by rank 1
 
 
-@pytest.mark.parametrize("world, name", [(4, "sgd"), (4, "rwa"), (4, "adagrad"), (4, "adam"), (4, "node"), (2, "sgd"),
-                                         (2, "rwa")])
+@pytest.mark.parametrize("world, name", [(4, "sgd"), (4, "rwa"), (4, "adagrad"), (4, "adam"), (4, "node"), (4, "auto"),
+                                         (4, "autoworld"), (2, "sgd"), (2, "rwa")])
 def test_fit_equals_single_process_reference(fits, world, name):
     cfg = {r["name"]: r for r in (RUNS_4 if world == 4 else RUNS_2)}[name]
     model, losses = reference(cfg, [(world, cfg["steps"])] * cfg["steps"])
@@ -131,7 +145,7 @@ def test_fit_equals_single_process_reference(fits, world, name):
     # validate after fit, on the placed tables: the reference's loss on the same data
     result, _ = load(fits[world], name)
     # rank 0's rows: of the world's ranks, or (span="node") of its node's 2, with a copy on each of the 2 nodes
-    per_node = cfg.get("span") == "node"
+    per_node = cfg.get("span") == "node" or cfg.get("links") == "slow-inter"
     assert (result["rows"], result["copies"], result["owners"]) == (
         ((0, 19), 2, [0, 1]) if per_node else ((0, -(-ROWS // world)), 1, [0, 1]))
     with torch.no_grad():
@@ -168,6 +182,15 @@ def test_sgd_equals_plain_embedding_bag_with_torch_sgd(fits):
 def test_resume_into_another_world_size(fits, name, first):
     model, losses = reference(RESUME, [(first, 2), (first, 2), (2, 1), (2, 1)])
     assert_matches(fits[2], name, model, losses[2:])
+
+
+def test_resume_into_span_auto_moves_rows_and_optimizer_state(fits):
+    """A checkpoint of tables spread over 4 ranks resumes on 2 nodes x 2 into span="auto", which moves each table
+    (its rows and their row-wise Adagrad state) to a copy per node at the first lookup: as if never interrupted."""
+    model, losses = reference(RESUME, [(4, 2), (4, 2), (4, 1), (4, 1)])
+    assert_matches(fits[4], "autofrom", model, losses[2:])
+    result, _ = load(fits[4], "autofrom")
+    assert (result["rows"], result["copies"]) == ((0, 19), 2)
 
 
 # ---------------------------------------------------------------------------------------------- one process
@@ -306,6 +329,41 @@ def test_a_seeded_table_draws_only_the_rows_a_rank_holds():
     other = ShardedEmbeddingBag(150_000, 2, init_seed=8)
     other.load_state_dict(whole.state_dict())  # loaded rows replace drawing
     torch.testing.assert_close(other.weight.data, whole.weight.data)
+
+
+def test_span_auto_prices_both_layouts():
+    """The model span="auto" decides by (span.py), by hand on 2 nodes x 2: what crosses the NIC spread over the world
+    (remote ids; partial sums and their gradients to the 2 peers on the other node, for both ranks of a node) against
+    a copy per node (the node's distinct rows, row number + row, to the other node), and the rounds of latency."""
+    t = Traffic(ids=1000, bags=100, remote=500, world_peers=250, node_peers=750, distinct=80)
+    sums = 2 * 100 / 4 * 64  # per peer: 25 bags' partial sums of 64 bytes, and as many gradients back
+    bandwidth = CostModel.coerce({"intra": (0.0, 1e-9), "inter": (0.0, 1e-6)})
+    spread, copies = predict(t, bandwidth, nodes=2, per_node=2, row_bytes=64, id_bytes=16, columns=2)
+    assert spread == pytest.approx((250 / 4 * 16 + sums) * 1e-9 + 2 * (500 / 4 * 16 + 2 * sums) * 1e-6)
+    assert copies == pytest.approx((750 / 4 * 16 + sums) * 1e-9 + 40 * (8 + 64) * 1e-6)
+    assert copies < spread
+    latency = CostModel.coerce({"intra": (1e-3, 0.0), "inter": (1e-3, 0.0)})
+    spread, copies = predict(t, latency, nodes=2, per_node=2, row_bytes=64, id_bytes=16, columns=2)
+    assert (spread, copies) == pytest.approx((5e-3, 8e-3))  # the row sums add 3 rounds across the nodes
+    # one rank per node: a copy per node is local, only the row sums cross
+    spread, copies = predict(t, latency, nodes=4, per_node=1, row_bytes=64, id_bytes=16, columns=2)
+    assert (spread, copies) == pytest.approx((5e-3, 3e-3))
+
+
+def test_span_auto_counts_a_batch_and_keeps_a_copy_that_does_not_fit_spread(monkeypatch):
+    """What a rank's first batch sends either way, on 2 nodes x 1 (this rank on node 0 holds rows [0, 50) spread,
+    all 100 as a copy per node), and the memory rule: a copy per node must fit in half this rank's share."""
+    topology = SimpleNamespace(rank=0, node_rank=0, num_nodes=2, ranks_per_node=1, world_size=2)
+    choice = SpanChoice("t", topology, (0, 1, None, None, (0, 2, None)), links=lambda: None)
+    table = ShardedEmbeddingBag(100, 4, init_seed=0)
+    table.place(0, 2, group=None)
+    ids = torch.tensor([3, 3, 60, 99, 99, 99])
+    # ids, bags, on the other node, on another rank of this node (spread; a copy per node), distinct rows, misfit
+    assert choice.measure(table, ids, bags=2).tolist() == [6, 2, 4, 0, 0, 3, 0]
+    monkeypatch.setenv("HORIZON_AVAILABLE_MEMORY", "0")  # the share: this process's RSS alone
+    huge = ShardedEmbeddingBag(10**9, 16, init_seed=0)  # 64 GB a copy, never drawn here
+    assert choice.copy_bytes(huge) == 10**9 * (16 + 1) * 4  # rows and their row-wise Adagrad state
+    assert choice.measure(huge, ids, bags=2)[-1] == 1
 
 
 def test_table_wise_tables_go_largest_first_to_the_least_loaded_rank():

@@ -571,7 +571,8 @@ def test_bench_sharding_smoke(monkeypatch, capsys):
 def test_bench_embedding_smoke(tmp_path, capsys):
     """2 runs of 2 ranks (a 10k-row table, 3 steps): the dense table under "ddp" and the sharded one; the table's
     bytes per rank are what the arms hold (dense: weight, gradient, two AdamW moments; sharded: half the rows and
-    one Adagrad sum per row); then span="node" on 2 emulated nodes of 1 rank."""
+    one Adagrad sum per row); then span="auto" on 2 emulated nodes of 1 rank: its row says what it chose, and holds
+    that."""
     import bench_embedding
 
     bench_embedding.main(["--smoke", "--json", str(tmp_path / "out.json")])
@@ -580,12 +581,14 @@ def test_bench_embedding_smoke(tmp_path, capsys):
     mib = {r["arm"]: r["table_mib"] for r in json.loads((tmp_path / "out.json").read_text())}
     assert mib["dense"] == pytest.approx(10_000 * 16 * 4 * 4 / 2**20, rel=1e-6)
     assert mib["sharded"] == pytest.approx(5_000 * (16 + 1) * 4 / 2**20, rel=1e-6)
-    # 2 emulated nodes of 1 rank on loopback, a copy of the table on each: every row held by each rank
-    bench_embedding.main(["--smoke", "--nodes", "2", "--no-netns", "--arms", "sharded-node", "--json",
+    # 2 emulated nodes of 1 rank on loopback: a copy of the table on each (every row on each rank), or half each
+    bench_embedding.main(["--smoke", "--nodes", "2", "--no-netns", "--arms", "sharded-auto", "--json",
                           str(tmp_path / "nodes.json")])
-    assert "2 emulated nodes on loopback" in capsys.readouterr().out
+    out = capsys.readouterr().out
     row, = json.loads((tmp_path / "nodes.json").read_text())
-    assert row["arm"] == "sharded-node" and row["table_mib"] == pytest.approx(10_000 * 17 * 4 / 2**20, rel=1e-6)
+    chosen = "node" if row["copies"] == 2 else "world"
+    assert "2 emulated nodes on loopback" in out and f"| sharded-auto ({chosen}) | 2 |" in out
+    assert row["table_mib"] == pytest.approx((10_000 if chosen == "node" else 5_000) * 17 * 4 / 2**20, rel=1e-6)
 
 
 def test_risk_classifier_shards_its_table_over_two_ranks(tmp_path):

@@ -39,7 +39,7 @@ from lightning_horizon.embedding.sparse_optim import SparseOptimizer, resolve
 
 MODES = ("sum", "mean")
 PLACEMENTS = ("rows", "table")
-SPANS = ("world", "node")
+SPANS = ("auto", "world", "node")
 BLOCK = 1 << 16  #: rows per generator of a seeded table (init_seed)
 
 
@@ -67,13 +67,16 @@ class ShardedEmbeddingBag(nn.Module):
         span: the ranks the table is spread over: ``"world"``, or ``"node"``: every node holds a whole copy spread
             over its own ranks, so lookups never leave the node, and the touched rows' gradients are summed across
             the nodes before the step (on a slow inter-node link, when a batch's ids and partial sums would cost
-            more to send across than its touched rows' gradients).
+            more to send across than its touched rows' gradients); ``"auto"`` (default): spread over the world,
+            then at the first lookup moved to a copy per node where the measured links and that batch's ids
+            predict it cheaper and its rows fit (:mod:`~lightning_horizon.embedding.span`). On one node all three
+            are the same.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, mode: str = "sum",
                  optimizer: Union[str, SparseOptimizer] = "rowwise_adagrad",
                  dtype: Optional[torch.dtype] = None, init_std: float = 1.0,
-                 init_seed: Optional[int] = None, placement: str = "rows", span: str = "world") -> None:
+                 init_seed: Optional[int] = None, placement: str = "rows", span: str = "auto") -> None:
         super().__init__()
         owner = type(self).__name__
         check_int(owner, "num_embeddings", num_embeddings, 1)
@@ -91,6 +94,8 @@ class ShardedEmbeddingBag(nn.Module):
         #: span="node" over several nodes: (this node, the nodes, the group of this local rank on every node)
         self.replicas: Optional[tuple[int, int, Any]] = None
         self.owner: Optional[int] = None  # placement="table": the rank that holds the table once placed
+        #: span="auto" on several nodes, placed over the world: the choice the first lookup makes (span.py)
+        self.span_choice: Optional[Any] = None
         # a seeded table holds no row until first used (_drawn); .to(), .double() apply to the empty tensor alike
         self.weight = nn.Parameter(torch.empty(num_embeddings if init_seed is None else 0, embedding_dim,
                                                dtype=dtype))
@@ -110,12 +115,7 @@ class ShardedEmbeddingBag(nn.Module):
     @property
     def bounds(self) -> list[tuple[int, int]]:
         """The rows ``[lo, hi)`` each rank holds."""
-        n = self.num_embeddings
-        if self.owner is not None:  # one rank holds them all; the empty ranges keep the starts in order
-            return [(0, 0) if r < self.owner else (0, n) if r == self.owner else (n, n) for r in range(self.world)]
-        per = math.ceil(self.num_embeddings / self.world)
-        return [(min(r * per, self.num_embeddings), min((r + 1) * per, self.num_embeddings))
-                for r in range(self.world)]
+        return spread(self.num_embeddings, self.world, self.owner)
 
     @property
     def rows(self) -> tuple[int, int]:
@@ -131,13 +131,23 @@ class ShardedEmbeddingBag(nn.Module):
         """How many copies of the table there are (one per node under span="node")."""
         return self.replicas[1] if self.replicas is not None else 1
 
+    @property
+    def copy_group(self) -> Any:
+        """The process group of the ranks that hold one copy of the rows (``None``: this rank alone)."""
+        return self.group
+
     def place(self, rank: int, world: int, group: Any, owner: Optional[int] = None,
-              replicas: Optional[tuple[int, int, Any]] = None) -> None:
+              replicas: Optional[tuple[int, int, Any]] = None, choice: Optional[Any] = None) -> None:
         """Keep rows ``bounds[rank]`` of the table (and of its optimizer state) and look up the others over
         ``group`` (every rank, each calling this with its own rank); ``owner``: the rank that holds a
         ``placement="table"`` table; ``replicas``: under ``span="node"`` on several nodes, (this node, the nodes,
-        the group of this rank's place on every node), ``rank``, ``world`` and ``group`` being the node's. A table
-        already placed alike stays."""
+        the group of this rank's place on every node), ``rank``, ``world`` and ``group`` being the node's;
+        ``choice``: under ``span="auto"`` on several nodes, placed over the world, the
+        :class:`~lightning_horizon.embedding.span.SpanChoice` the first lookup makes. A table already placed
+        alike stays (a copy per node that ``"auto"`` chose, too)."""
+        if self.span_choice is None and choice is not None and self.replicas is not None:
+            return  # span="auto" chose a copy per node in an earlier fit: it stays
+        self.span_choice = choice
         if (rank, world, owner) == (self.rank, self.world, self.owner) and (replicas is None) == (
                 self.replicas is None):
             self.group, self.replicas = group, replicas
@@ -152,6 +162,18 @@ class ShardedEmbeddingBag(nn.Module):
         self.weight.data = self.weight.data[lo:hi].clone() if self._drawn else self._draw(lo, hi)
         self._drawn = True
         self.optimizer_state = {k: v[lo:hi].clone() for k, v in self.optimizer_state.items()}
+
+    def move(self, rank: int, world: int, group: Any, owner: Optional[int], replicas: tuple[int, int, Any],
+             holds: list[tuple[int, int]]) -> None:
+        """From a placement over the world to a copy per node (``rank``, ``world``, ``group``, ``owner`` and
+        ``replicas`` as :meth:`place` takes them), the rows and their optimizer state sent where they go
+        (collective over the world's table group; ``holds``: the rows each of the world's ranks holds after)."""
+        before, here = self.bounds, self.rank
+        if self._drawn:
+            self.weight.data = exchange.move_rows(self.weight.data, before, holds, self.group, here)
+        self.optimizer_state = {k: exchange.move_rows(v, before, holds, self.group, here)
+                                for k, v in sorted(self.optimizer_state.items())}
+        self.rank, self.world, self.group, self.owner, self.replicas = rank, world, group, owner, replicas
 
     def _draw(self, lo: int, hi: int) -> Tensor:
         """Rows ``[lo, hi)`` of a seeded table: the blocks of :data:`BLOCK` rows that hold them, each from its own
@@ -177,8 +199,11 @@ class ShardedEmbeddingBag(nn.Module):
                 per_sample_weights: Optional[Tensor] = None) -> Tensor:
         """As ``nn.EmbeddingBag.forward``: ``input`` 2-D (one bag per row) or 1-D with ``offsets`` (each bag's
         start); returns ``[bags, embedding_dim]``."""
-        self._ensure_drawn()
         ids, bag, bags = _bags(input, offsets)
+        if self.span_choice is not None:  # span="auto": the first lookup decides (collective), then this placement
+            choice, self.span_choice = self.span_choice, None
+            choice.decide(self, ids, bags, per_sample_weights is not None)
+        self._ensure_drawn()
         if per_sample_weights is not None:
             if self.mode != "sum":
                 raise ValueError(f"{type(self).__name__}(mode={self.mode!r}): per_sample_weights need mode='sum'")
@@ -332,6 +357,15 @@ class ShardedEmbeddingBag(nn.Module):
                 f" optimizer={self.optimizer}{placed}")
 
 
+def spread(rows: int, ranks: int, owner: Optional[int] = None) -> list[tuple[int, int]]:
+    """The rows ``[lo, hi)`` each of ``ranks`` ranks holds of a table of ``rows`` rows: contiguous blocks of
+    ``ceil(rows / ranks)``, or all of them on ``owner`` (the others' empty ranges keep the starts in order)."""
+    if owner is not None:
+        return [(0, 0) if r < owner else (0, rows) if r == owner else (rows, rows) for r in range(ranks)]
+    per = math.ceil(rows / ranks)
+    return [(min(r * per, rows), min((r + 1) * per, rows)) for r in range(ranks)]
+
+
 def _bags(input: Tensor, offsets: Optional[Tensor]) -> tuple[Tensor, Tensor, int]:
     """The ids (1-D), each id's bag number and the number of bags, from ``nn.EmbeddingBag``'s two input forms."""
     if input.dim() == 2:
@@ -354,4 +388,4 @@ def _pool(weight: Tensor, ids: Tensor, bag: Tensor, bags: int, weights: Optional
     return rows.new_zeros((bags, weight.shape[1])).index_add(0, bag, rows)
 
 
-__all__ = ["BLOCK", "MODES", "PLACEMENTS", "SPANS", "ShardedEmbeddingBag"]
+__all__ = ["BLOCK", "MODES", "PLACEMENTS", "SPANS", "ShardedEmbeddingBag", "spread"]

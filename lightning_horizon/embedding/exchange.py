@@ -71,6 +71,27 @@ def sum_rows(rows: Tensor, values: Tensor, group: Any, index: int, count: int) -
     return unique, values.new_zeros((unique.numel(), values.shape[1])).index_add_(0, inverse, values)
 
 
+def move_rows(shard: Tensor, before: list[tuple[int, int]], after: list[tuple[int, int]], group: Any,
+              rank: int) -> Tensor:
+    """This rank's rows ``after[rank]`` of a table whose ranks held ``before[r]`` (``shard``: this rank's): each
+    rank sends every peer the rows it held that the peer will hold (rows may go to several ranks)."""
+    def common(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
+        lo = max(a[0], b[0])
+        return lo, max(lo, min(a[1], b[1]))
+
+    (lo, hi), (new_lo, new_hi) = before[rank], after[rank]
+    sent = [common(before[rank], dest) for dest in after]
+    got = [common(src, after[rank]) for src in before]
+    blocks = swap_blocks(torch.cat([shard[a - lo:b - lo] for a, b in sent]), [b - a for a, b in sent],
+                         [b - a for a, b in got], group, rank)
+    out = shard.new_empty((new_hi - new_lo, *shard.shape[1:]))
+    start = 0
+    for a, b in got:  # the blocks arrive in the senders' order; each lands at its rows
+        out[a - new_lo:b - new_lo] = blocks[start:start + b - a]
+        start += b - a
+    return out
+
+
 def gather_rows(shard: Tensor, bounds: list[tuple[int, int]], group: Any, rank: int) -> Optional[Tensor]:
     """The whole table on rank 0 (``None`` elsewhere) from each rank's rows ``bounds[rank]`` (``shard``)."""
     if rank != 0:
@@ -86,4 +107,4 @@ def gather_rows(shard: Tensor, bounds: list[tuple[int, int]], group: Any, rank: 
     return full
 
 
-__all__ = ["SwapBlocks", "gather_rows", "sum_rows", "swap_blocks", "swap_counts"]
+__all__ = ["SwapBlocks", "gather_rows", "move_rows", "sum_rows", "swap_blocks", "swap_counts"]

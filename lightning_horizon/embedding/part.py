@@ -22,7 +22,7 @@ Its rows in the lifecycle (parts.py):
 from __future__ import annotations
 
 from types import MappingProxyType
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_horizon.embedding.bag import ShardedEmbeddingBag
+from lightning_horizon.embedding.span import SpanChoice
 from lightning_horizon.node_state.clipping import clip
 from lightning_horizon.optim import torch_optimizer
 from lightning_horizon.parts import PARAMETERS, Part
@@ -50,12 +51,14 @@ class EmbeddingTables(Part):
     layout_free = True
 
     def __init__(self, module: nn.Module, training_state: TrainingState, topology: Any,
-                 groups: Optional[TableGroups]) -> None:
+                 groups: Optional[TableGroups], links: Optional[Callable[[], Any]] = None) -> None:
         """``topology``: the strategy's (ranks, nodes); ``groups``: the tables' process groups (``None``: one
-        process)."""
+        process); ``links``: the link constants for ``span="auto"`` (a ``CostModel``; collective where it
+        probes)."""
         self.tables = tables_of(module)
         self.training_state = training_state
-        self.topology, self.groups = topology, groups
+        self.topology, self.groups, self._probe = topology, groups, links
+        self._links: Optional[Any] = None
         self._hooks: list[Any] = []
         self._reported = 0  # sent bytes counted up to the last comm_metrics
 
@@ -69,24 +72,24 @@ class EmbeddingTables(Part):
         t, g = self.topology, self.groups
         if g is None:
             return
-        world_owners = table_owners({n: x for n, x in self.tables.items() if not self._per_node(x)}, t.world_size)
-        node_owners = table_owners({n: x for n, x in self.tables.items() if self._per_node(x)}, t.ranks_per_node)
+        # on one node every span is the world; on several, "auto" starts over the world and may move (span.py)
+        spans = {n: x.span if t.num_nodes > 1 else "world" for n, x in self.tables.items()}
+        world_owners = table_owners({n: x for n, x in self.tables.items() if spans[n] != "node"}, t.world_size)
+        node_owners = table_owners({n: x for n, x in self.tables.items() if spans[n] != "world"}, t.ranks_per_node)
         for name, table in self.tables.items():
-            if self._per_node(table):  # a copy per node, spread over its ranks
-                table.place(t.local_rank, t.ranks_per_node, g.node, node_owners.get(name),
-                            replicas=(t.node_rank, t.num_nodes, g.across))
+            node_layout = (t.local_rank, t.ranks_per_node, g.node, node_owners.get(name),
+                           (t.node_rank, t.num_nodes, g.across))
+            if spans[name] == "node":  # a copy per node, spread over its ranks
+                table.place(*node_layout[:4], replicas=node_layout[4])
             else:
-                table.place(t.rank, t.world_size, g.world, world_owners.get(name))
+                choice = SpanChoice(name, t, node_layout, self.links) if spans[name] == "auto" else None
+                table.place(t.rank, t.world_size, g.world, world_owners.get(name), choice=choice)
 
-    def _per_node(self, table: ShardedEmbeddingBag) -> bool:
-        """Whether ``table`` is one copy per node (span="node" on several nodes; on one node it spans the world)."""
-        return table.span == "node" and self.topology.num_nodes > 1
-
-    def _copy_group(self, table: ShardedEmbeddingBag) -> Any:
-        """The ranks that hold one copy of ``table``'s rows (its gradient norm is summed there)."""
-        if self.groups is None:
-            return None
-        return self.groups.node if self._per_node(table) else self.groups.world
+    def links(self) -> Any:
+        """The link constants, probed (collective) once for all the tables, at the first table's first lookup."""
+        if self._links is None:
+            self._links = self._probe()
+        return self._links
 
     def refuses(self, optimizer: Any) -> Optional[str]:
         if isinstance(optimizer, torch.optim.LBFGS) and self._holds(optimizer):
@@ -115,7 +118,7 @@ class EmbeddingTables(Part):
             opt.state.pop(table.weight, None)  # eager state (Adagrad's) the optimizer will never use
             group = opt.param_groups[index]  # by index at each step: loading a state replaces the group dicts
             stepped.setdefault(opt, []).append((table, index, float(group.get("initial_lr", group["lr"]))))
-            self.training_state.register_sparse(table.weight, table, self._copy_group(table))
+            self.training_state.register_sparse(table.weight, table)
         for opt, entries in stepped.items():
             self._hooks.append(opt.register_step_post_hook(lambda o, *_, e=entries: _step(o, e)))
 

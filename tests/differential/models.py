@@ -60,7 +60,7 @@ class Zoo(nn.Module):
         if m["bag"] == "dense":
             self.bag = nn.EmbeddingBag(VOCAB, D, mode="sum")
         elif m["bag"]:
-            span = "node" if m["bag"] == "node" else "world"
+            span = m["bag"] if m["bag"] in ("node", "auto") else "world"
             self.bag = ShardedEmbeddingBag(VOCAB, D, mode="sum", optimizer=SparseSGD(lr=None), span=span)
         self.emb = nn.Embedding(VOCAB, D)
         self.blocks = nn.ModuleList([Block(m["batchnorm"], m["dropout"]) for _ in range(2)])

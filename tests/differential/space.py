@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 MODEL_KINDS = ("zoo", "transformer", "boring")  # zoo: ours (tokens, blocks); Lightning's demo Transformer, BoringModel
 #: "bag": a ShardedEmbeddingBag beside the zoo's token embedding (SparseSGD at its parameter group's lr; "ddp" trains
 #: a dense nn.EmbeddingBag in its place, tests/differential/models.py); True spreads it over the world, "node" over
-#: each node's ranks (a copy per node)
+#: each node's ranks (a copy per node), "auto" lets its first lookup choose (with the example's cost model)
 MODEL_FLAGS = ("tied", "frozen", "never", "sometimes", "batchnorm", "dropout", "groups", "bag")
 
 #: torch.optim, every class with state a user would pick, each with the variants that change its state or arithmetic
@@ -132,7 +132,7 @@ def draw(seed: int, world: int) -> dict:
     # local SGD's sync: the plain average or DiLoCo's Nesterov outer step, blocking or overlapped with the next period
     ex["outer"] = rng.choice(("average", "nesterov"))
     ex["overlap"] = coin(0.5)
-    bag, span = coin(0.25), rng.choice((True, "node"))  # "node": span="node", a copy per node (2 nodes)
+    bag, span = coin(0.25), rng.choice((True, "node", "auto"))  # span="world", "node" (a copy per node), "auto"
     ex["model"]["bag"] = span if bag else False
     ex = constrain(ex)
     if refusal(ex) is not None and not keep_refused:
@@ -201,10 +201,6 @@ def constrain(ex: dict) -> dict:
         ex["collectives"] = "flat"  # hierarchical, torus2d and auto need 2 nodes of 2 ranks
     if ex["collectives"] != "torus2d":
         ex["torus_shape"] = None  # torus2d's option
-    if ex["collectives"] != "auto":
-        ex["cost_model"] = None  # auto's option
-    elif ex["cost_model"] is None:
-        ex["cost_model"] = "slow"  # never the probe: its timings would choose the algorithm
     if world == 1:
         ex["compression"] = None  # compression needs several ranks
     if world // rpn != 2:
@@ -307,6 +303,10 @@ def constrain(ex: dict) -> dict:
         # the table steps with SparseSGD at its group's lr: the same as "ddp"'s dense table under plain SGD
         # (embedding.md); it is the module's first parameter, so in the first optimizer
         ex["optimizer"] = {"name": "SGD", "kwargs": OPTIMIZERS["SGD"][0]}
+    if ex["collectives"] != "auto" and not (m["bag"] == "auto" and ex["world"] // ex["rpn"] > 1):
+        ex["cost_model"] = None  # the option of collectives="auto" and of a table's span="auto" on several nodes
+    elif ex["cost_model"] is None:
+        ex["cost_model"] = "slow"  # never the probe: its timings would make the choices
     return ex
 
 

@@ -6,7 +6,8 @@ launcher re-executes this script for the other ranks). A run is
     {"name": ..., "optimizer": "sgd"|"adagrad"|"rowwise_adagrad"|"rowwise_adam", "dense": "SGD"|"AdamW",
      "mode": "sum"|"mean", "clip": null|"backoff"|"trainer-norm", "steps": N, "resume_from": PATH|null,
      "weights": bool (per_sample_weights), "precision": "64-true"|"bf16-mixed", "epoch_steps": steps per epoch,
-     "span": "world"|"node" (every table's), "rpn": ranks per emulated node}
+     "span": "auto"|"world"|"node" (every table's), "rpn": ranks per emulated node,
+     "links": null|name of LINKS (HorizonStrategy's cost_model: what span="auto" prices the layouts with)}
 
 The model (:class:`Risk`): a row-sharded ShardedEmbeddingBag (ROWS x DIM), two small table-wise ones (SMALL) and a
 Linear head, a BCE loss; the data
@@ -39,6 +40,10 @@ from lightning_horizon.embedding import ShardedEmbeddingBag, SparseSGD  # noqa: 
 ROWS, DIM, BAG, BATCH = 37, 4, 3, 4  # 37 rows: the last rank's share is smaller
 SMALL = (7, 5)  # the rows of the two table-wise tables
 CLIP = 0.05
+#: link constants (alpha s, beta s/byte) for span="auto": a slow link between the nodes (a copy per node costs
+#: less), and links where latency is all (spread over the world sends fewer rounds of messages)
+LINKS = {"slow-inter": {"intra": (1e-5, 1e-9), "inter": (1e-5, 1e-6)},
+         "latency": {"intra": (1e-3, 1e-12), "inter": (1e-3, 1e-12)}}
 
 
 def dataset(samples: int, seed: int = 1) -> TensorDataset:
@@ -103,7 +108,7 @@ def run(cfg: dict, world: int, out: Path) -> None:
     extra = {"gradient_clip_val": CLIP} if cfg.get("clip") == "trainer-norm" else {}
     precision = {"precision": "64-true"} if dtype == torch.float64 else {"plugins": [HorizonPrecision("bf16-mixed")]}
     trainer = L.Trainer(
-        accelerator="cpu", devices=world, strategy=HorizonStrategy(ranks_per_node=cfg.get("rpn")), max_steps=steps,
+        accelerator="cpu", devices=world, strategy=HorizonStrategy(ranks_per_node=cfg.get("rpn"), cost_model=LINKS.get(cfg.get("links"))), max_steps=steps,
         max_epochs=-1, logger=False, enable_progress_bar=False, enable_model_summary=False,
         enable_checkpointing=False, num_sanity_val_steps=0, use_distributed_sampler=False, callbacks=callbacks,
         default_root_dir=str(out / "root"), **precision, **extra,

@@ -4,6 +4,7 @@
 - bag.py: :class:`ShardedEmbeddingBag`, the module a user puts in a LightningModule;
 - sparse_optim.py: the optimizers that step only the touched rows;
 - exchange.py: the point-to-point swaps the lookups and checkpoints use;
+- span.py: ``span="auto"``'s choice at the first lookup, a table spread over the world or a copy per node;
 - part.py: :class:`EmbeddingTables`, the strategy part that places and steps the tables.
 """
 

@@ -5,7 +5,8 @@ Its rows in the lifecycle (parts.py):
 - born before DDP wraps the module (fit_parts.py): every :class:`ShardedEmbeddingBag` keeps its rows
   (:meth:`ShardedEmbeddingBag.place`, over a process group of the tables' own; a ``placement="table"`` table
   whole on one rank, :func:`table_owners`) and its parameter is kept out of DDP (its gradient never crosses the
-  wire; the lookups do);
+  wire; the lookups do); a ``span="auto"`` table on several nodes goes over the world with a
+  :class:`~lightning_horizon.embedding.span.SpanChoice`, which its first lookup makes;
 - ``connect``: each table must sit in one of the user's optimizers (its parameter groups' learning-rate schedule and
   GradNormBackoff's decisions then apply to it); that optimizer's state for it, if it made one eagerly (Adagrad),
   is dropped; the table's gradient is registered with the training state, so the global norm, clipping and a

@@ -15,6 +15,8 @@
     python recipes/bench_vs_lightning.py --model hf-gpt2 --arms lightning-32,lightning-bf16,horizon
     python recipes/bench_vs_lightning.py --layouts all --rounds 1    # every layout (ranks x threads) of this machine
     python recipes/bench_vs_lightning.py --layouts 1x2,2x1 --layout-arms lightning-32,horizon
+    # the arms in lockstep, one step each in turn (a drifting machine hits every arm alike, step by step):
+    python recipes/bench_vs_lightning.py --paths native,avx2 --arms lightning-32,lightning-bf16,horizon --lockstep
 
 Layouts: ``--layouts`` ("all": lightning_horizon.layout.candidates of this machine, or e.g. "1x2,2x1") adds an arm
 ``BASE@RxT`` for every layout and every base arm of ``--layout-arms`` (default: lightning-32, horizon, and
@@ -39,6 +41,13 @@ measurement of the arm from a measurement of the neighbours.
 
 Below the table, each horizon arm's tokens/s over the best Lightning arm's, round by round (the two ran minutes
 apart in the same round: a pair shares the machine's state, which drifts by 10% between rounds on a shared VM).
+``--lockstep`` runs a round's arms (one process each) at the same time, taking turns step by step: a baton goes
+round the arms, each arm holds it for one step (from one ``on_train_batch_start`` to the next: the whole loop
+iteration, data included), and only the holder computes. The step time is then the time an arm held the baton, and
+a round's arms met the machine's state within seconds of each other instead of minutes: on a VM whose speed drifts
+by 5-20% between rounds, that is what resolves a few percent. Each round rotates who goes first; the others' load
+is not measured (the other arms are it).
+
 ``--paths native,avx2`` runs the whole bench once per ISA path, each in a child process whose environment sets it
 (``avx2``: ``ONEDNN_MAX_CPU_ISA=AVX2``, a CPU without native bf16; oneDNN reads the cap once per process), then
 prints one row per path: the best Lightning arm, horizon's defaults, their ratio and its per-round pairs, and the
@@ -59,6 +68,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import signal
 import statistics
 import sys
@@ -204,6 +214,29 @@ def _trainer_kwargs(arm: dict[str, Any], steps: int, timer: Any, model: Any) -> 
     return out
 
 
+class Baton:
+    """Turns with the other arms of a ``--lockstep`` round: a ring of FIFOs in ``folder`` (one per arm); this arm
+    waits on its own and hands on to the next arm's. The first arm starts holding it."""
+
+    def __init__(self, folder: str, index: int, arms: int, timeout: float) -> None:
+        # O_RDWR: opening never waits for the other end, and a write never fails for want of a reader
+        self.mine = os.open(os.path.join(folder, str(index)), os.O_RDWR)
+        self.next = os.open(os.path.join(folder, str((index + 1) % arms)), os.O_RDWR)
+        self.held, self.timeout = index == 0, timeout
+
+    def take(self) -> None:
+        if not self.held:
+            if not select.select([self.mine], [], [], self.timeout)[0]:
+                raise TimeoutError(f"--lockstep: no turn for {self.timeout:.0f} s (another arm failed?)")
+            os.read(self.mine, 1)
+            self.held = True
+
+    def give(self) -> None:
+        if self.held:
+            os.write(self.next, b"t")
+            self.held = False
+
+
 def worker(args: argparse.Namespace) -> None:
     import lightning as L
     import psutil
@@ -221,12 +254,31 @@ def worker(args: argparse.Namespace) -> None:
         data_kw["cache_dir"] = args.cache_dir
     model_kw = {**cfg.get("model", {}), **arm.get("model", {})}
 
+    baton = None
+    if args.baton:
+        folder, index, arms = args.baton.rsplit(":", 2)
+        baton = Baton(folder, int(index), int(arms), args.timeout)
+
     class Timer(Callback):
         def __init__(self) -> None:
+            # --lockstep: when this arm held the baton, step by step (CLOCK_MONOTONIC: one clock for every process)
+            self.turns: list[tuple[float, float]] = []
+            self.turn_start: float | None = None
             self.ends: list[float] = []
             self.losses: list[float] = []
             self.rss = 0
             self.start: tuple[float, float, float] = (0.0, 0.0, 0.0)  # wall, machine busy CPU s, own CPU s
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            if baton is not None:  # the step before ends here: hand on, wait for the next turn
+                self.end_turn()
+                baton.take()
+                self.turn_start = time.monotonic()
+
+        def end_turn(self) -> None:
+            if self.turn_start is not None:  # (the first arm holds the baton before its first turn: it keeps it)
+                self.turns.append((self.turn_start, time.monotonic()))
+                baton.give()
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             loss = trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean")  # global batch loss
@@ -237,6 +289,8 @@ def worker(args: argparse.Namespace) -> None:
                 self.start = (time.perf_counter(), machine_busy_seconds(), time.process_time())
 
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            if baton is not None:  # the last turn (the fit's end in it: not measured)
+                self.end_turn()
             wall, busy, own = (time.perf_counter() - self.start[0], machine_busy_seconds() - self.start[1],
                                time.process_time() - self.start[2])
             mine = trainer.strategy.reduce(torch.tensor([float(self.rss), own], dtype=torch.float64),
@@ -246,13 +300,15 @@ def worker(args: argparse.Namespace) -> None:
                 Path(args.out).write_text(json.dumps({
                     "ends": self.ends, "losses": self.losses, "rss_sum": float(mine[0]),
                     "threads": torch.get_num_threads(), "world": trainer.world_size,
-                    "flops_per_batch": pl_module.flops_per_batch, "foreign": foreign,
+                    "flops_per_batch": pl_module.flops_per_batch, "foreign": 0.0 if baton else foreign,
+                    "turns": self.turns,
                 }))
 
     L.seed_everything(1337, verbose=False)
     model = model_class(args.model)(**model_kw)
     data = ByteCorpusDataModule(**data_kw)
-    trainer = L.Trainer(**_trainer_kwargs(arm, args.warmup + args.steps, Timer(), model))
+    # --lockstep: one more step, whose turn ends with the fit (not measured)
+    trainer = L.Trainer(**_trainer_kwargs(arm, args.warmup + args.steps + (1 if baton else 0), Timer(), model))
     trainer.fit(model, data)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         # Lightning's DDPStrategy leaves its gloo group to interpreter exit, where gloo's threads can abort the
@@ -300,9 +356,12 @@ def select_arms(args: argparse.Namespace, cfg: dict[str, Any]) -> tuple[list[str
     return arms, workers, why
 
 
-def run_arm(name: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+def run_arm(name: str, args: argparse.Namespace, out: Path, baton: str | None = None) -> dict[str, Any]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--out", str(out), "--config", args.config,
-           "--steps", str(args.steps), "--warmup", str(args.warmup), "--model", args.model]
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--model", args.model,
+           "--timeout", str(args.timeout)]
+    if baton:
+        cmd += ["--baton", baton]
     if args.cache_dir:
         cmd += ["--cache-dir", args.cache_dir]
     # a worker starts with the environment a user's shell would give it: no thread variables, so each framework's
@@ -320,10 +379,28 @@ def run_arm(name: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     if rc != 0 or not out.exists():
         raise RuntimeError(f"arm {name} failed (exit {rc}):\n{log[-3000:]}")
     res = json.loads(out.read_text())
-    res["intervals"] = [b - a for a, b in zip(res["ends"][args.warmup - 1:], res["ends"][args.warmup:])]
+    if baton:  # the turns it held the baton
+        res["intervals"] = [b - a for a, b in res["turns"][args.warmup:args.warmup + args.steps]]
+    else:
+        res["intervals"] = [b - a for a, b in zip(res["ends"][args.warmup - 1:], res["ends"][args.warmup:])]
     res["step_s"] = statistics.median(res["intervals"])
     res["final_loss"] = statistics.fmean(res["losses"][-min(5, len(res["losses"])):])
     return res
+
+
+def run_lockstep(names: list[str], workers: dict[str, str], args: argparse.Namespace,
+                 folder: Path) -> dict[str, dict[str, Any]]:
+    """One ``--lockstep`` round: every arm of ``names`` (in this order round the ring) at once, one step each in
+    turn."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    folder.mkdir()
+    for i in range(len(names)):
+        os.mkfifo(folder / str(i))
+    with ThreadPoolExecutor(len(names)) as pool:
+        futures = {name: pool.submit(run_arm, workers[name], args, folder / f"{name}.json",
+                                     f"{folder}:{i}:{len(names)}") for i, name in enumerate(names)}
+        return {name: f.result() for name, f in futures.items()}
 
 
 def round_pairs(row: dict[str, Any], reference: dict[str, Any]) -> list[float]:
@@ -446,6 +523,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--paths", default=None, help="ISA paths, each a whole run in a child process, then a summary"
                    " per path: native (the CPU as it is) and/or avx2 (oneDNN capped at AVX2: a CPU without native"
                    " bf16); default: the path this process is on")
+    p.add_argument("--lockstep", action="store_true", help="run each round's arms (one process each) at once,"
+                   " taking turns step by step")
+    p.add_argument("--baton", default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
     p.set_defaults(peak_sizes=(512, 1024, 2048))
@@ -469,12 +549,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.steps < 3 or args.warmup < 1 or args.rounds < 1:
         raise ValueError(f"--steps={args.steps} --warmup={args.warmup} --rounds={args.rounds}: need steps >= 3,"
                          " warmup >= 1, rounds >= 1")
+    if args.lockstep and (len(arms) < 2 or any(arm_spec(workers[a])["procs"] != 1 for a in arms)):
+        raise ValueError(f"--lockstep with arms {', '.join(arms)}: allowed are 2 or more arms of one process each")
     batch = cfg.get("data", {}).get("batch_size", 16)
     seq = cfg.get("data", {}).get("seq_len", 256)
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     print(f"bench_vs_lightning: {args.config} | model {args.model} | global batch {batch} x {seq} tokens |"
           f" {args.warmup} warm-up +"
-          f" {args.steps} measured steps | {args.rounds} round(s) | arms {', '.join(arms)} | ISA {isa().description},"
+          f" {args.steps} measured steps | {args.rounds} round(s){' (lockstep)' if args.lockstep else ''} | arms {', '.join(arms)} | ISA {isa().description},"
           f" native bf16: {'yes' if isa().native_bf16 else 'no'}"
           f" | {len(os.sched_getaffinity(0))} cores | {started}", flush=True)
     from lm_data import ByteCorpusDataModule
@@ -486,6 +568,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             order = arms[r % len(arms):] + arms[: r % len(arms)]  # rotate: no arm always runs first or last
+            if args.lockstep:
+                for name, res in run_lockstep(order, workers, args, Path(tmp) / f"r{r}").items():
+                    runs[name].append(res)
+                    print(f"  round {r + 1}: {name:<20} {batch * seq / res['step_s']:>9,.0f} tok/s  loss"
+                          f" {res['final_loss']:.4f}  (lockstep, {order.index(name) + 1} of {len(order)})",
+                          flush=True)
+                order = []
             for name in order:
                 # a run during which other processes used more than --max-foreign of the machine measured the
                 # neighbours as much as the arm: run it again (up to --retries times) and keep the quietest
@@ -517,7 +606,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                      "final_loss": statistics.median(r["final_loss"] for r in rs),
                      "mfu_fp32": med * fpt / peaks["fp32"],
                      # emulated bf16 (a few GFLOP/s) is no peak a step can reach: no MFU against it
-                     "mfu_bf16": med * fpt / peaks["bf16"] if isa().native_bf16 else None})
+                     "mfu_bf16": med * fpt / peaks["bf16"] if isa().native_bf16 else None,
+                     "turns": [r["turns"] for r in rs] if args.lockstep else None})
     lightning = [r for r in rows if r["kind"] == "lightning"]
     best = max(lightning, key=lambda r: r["tokens_per_sec"]) if lightning else None
     # Lightning's default layout: one process on every core (devices=1), whichever precision arm ran fastest

@@ -387,6 +387,26 @@ def test_bench_smoke(tmp_path, cache_dir, monkeypatch, capfd, bench_here):
     assert row and float(row.group(2)) == float(pairs.group(1)), out[-1500:]
 
 
+def test_bench_lockstep_takes_turns(tmp_path, cache_dir, bench_here):
+    """--lockstep: both arms run at once, one step each in turn: no two turns overlap, they alternate, and the
+    training is the one each arm does alone (the same loss)."""
+    import json
+
+    import bench_vs_lightning
+
+    bench_vs_lightning.main(["--smoke", "--lockstep", "--arms", "lightning-32,horizon", "--timeout", "120",
+                             "--cache-dir", str(cache_dir), "--json", str(tmp_path / "b.json")])
+    rows = {r["arm"]: r for r in json.loads((tmp_path / "b.json").read_text())["rows"]}
+    turns = sorted((tuple(t), arm) for arm, r in rows.items() for t in r["turns"][0])
+    assert len(turns) == 2 * (1 + 3 + 1)  # warm-up, measured, and the last (the fit's end) of each arm
+    assert all(a[0][1] <= b[0][0] for a, b in zip(turns, turns[1:])), turns  # one at a time
+    assert [arm for _, arm in turns] == ["lightning-32", "horizon"] * 5  # in turn, the first arm first
+    assert rows["horizon"]["final_loss"] == pytest.approx(rows["lightning-32"]["final_loss"], rel=1e-3)
+    with pytest.raises(ValueError, match="--lockstep with arms horizon-2x1, horizon: allowed are 2 or more arms"
+                                         " of one process each"):
+        bench_vs_lightning.main(["--smoke", "--lockstep", "--arms", "horizon-2x1,horizon"])
+
+
 def test_bench_node_quick_runs_every_stage(tmp_path, cache_dir, bench_here):
     """bench_node's --quick: the tuner, the bench with the tuned arm reading the tuner's own cache (not the user's),
     and the profile, each a child process, at the one layout 1 x cores of tiny.yaml; node.json and the table."""

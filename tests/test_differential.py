@@ -43,8 +43,10 @@ FIXED = [
      "resume": {"from": "during", "layout": "same"}},
     # int8 under 64-true: the C kernel's buffers in fp32 whatever the default dtype (float64 here: it raised)
     {**simplest(2, seed=27), **_W2, "compression": "int8", "optimization": "manual"},
-    # DiLoCo's outer step, overlapped: the checkpoint at step 2 holds the exchange of the sync at step 2
+    # DiLoCo's outer step, overlapped: the checkpoint at step 2 holds the exchange of the sync at step 2; the blocks
+    # compiled (under DDP: dynamo's DDPOptimizer splits their graphs at the buckets)
     {**simplest(2, seed=26), **_W2, "sync_every": 2, "outer": "nesterov", "overlap": True, "steps": 4,
+     "model": {**simplest()["model"], "compile": True},
      "optimizer": {"name": "AdamW", "kwargs": {"lr": 1e-2, "weight_decay": 0.1}},
      "resume": {"from": "during", "layout": "same"}},
     # the same example but for the collectives and the codec: one Lightning "ddp" fit is the reference of both
@@ -113,6 +115,7 @@ def test_ci_examples_draw_every_capability_and_lifecycle_step():
         "optimization": {"automatic", "manual"}, "accumulate": {1, 2},
         "compression": {"None", "bf16", "int8"}, "sync_every": {1, 2, 3},
     }
+    wanted["model flags"] = {"bag", "compile"}
     for dim, values in wanted.items():
         assert values <= {k for k, v in c[dim].items() if v}, (dim, c[dim])
     lifecycle = {k for k, v in c["lifecycle"].items() if v}

@@ -4,6 +4,7 @@ In-process tests plan with ``make_plan`` on a profiled step (budgets relative to
 RSS involved) or with ``GraphSharder`` and explicit byte budgets; the peak-RSS test measures fresh processes.
 """
 
+import contextlib
 import copy
 import gc
 import io
@@ -715,3 +716,32 @@ def test_recompute_sees_the_default_dtype_of_the_step(monkeypatch):
     assert trainer.strategy.sharder.plan.recompute == [("blocks.0", 0), ("blocks.1", 0), ("blocks.2", 0)]
     for (name, a), b in zip(runs[0].state_dict().items(), runs[1].state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def test_checkpointed_calls_inside_a_compiled_module_give_the_uncompiled_gradients():
+    """A planned call that dynamo traces (the module compiled; AOT autograd, as inductor's front half, running its
+    graphs eagerly) is checkpointed inside the compiled graph, dropout included: the gradients of the plain module.
+    (Our checkpoint's context_fn made dynamo raise there.)"""
+    from torch._dynamo.backends.common import aot_autograd
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Dropout(0.3), nn.Linear(8, 8)).double()
+
+    def grads(model: nn.Module) -> list[torch.Tensor]:
+        torch.manual_seed(1)
+        x = torch.randn(4, 8, dtype=torch.float64)
+        model(x).square().sum().backward()
+        return [p.grad for p in model.parameters()]
+
+    plain = grads(build())
+    torch._dynamo.reset()
+    model = build()
+    handle = install(model, [("0", 0), ("2", 0)], recompute_context=lambda m: contextlib.nullcontext())
+    model.compile(backend=aot_autograd(fw_compiler=lambda gm, _: gm, bw_compiler=lambda gm, _: gm))
+    try:
+        for got, want in zip(grads(model), plain):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    finally:
+        handle.remove()
+        torch._dynamo.reset()

@@ -32,6 +32,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from lightning_horizon.checks import check_int, check_one_of, is_int, is_number, require
 from lightning_horizon.embedding import exchange
@@ -200,7 +201,10 @@ class ShardedEmbeddingBag(nn.Module):
         """As ``nn.EmbeddingBag.forward``: ``input`` 2-D (one bag per row) or 1-D with ``offsets`` (each bag's
         start); returns ``[bags, embedding_dim]``."""
         ids, bag, bags = _bags(input, offsets)
-        if self.span_choice is not None:  # span="auto": the first lookup decides (collective), then this placement
+        if self.span_choice is not None and _get_current_dispatch_mode() is None:
+            # span="auto": the first lookup decides (collective), then this placement. Not one under a dispatch
+            # mode: graph sharding's profile (or a FLOP count) runs a step's forward once more and then undoes what
+            # it did to the modules, but a move of the rows would stay
             choice, self.span_choice = self.span_choice, None
             choice.decide(self, ids, bags, per_sample_weights is not None)
         self._ensure_drawn()

@@ -14,6 +14,9 @@ all stay as they were; torch's checkpoint *wrapper* module, by contrast, changes
   result). A module called once per step is checkpointed at every call, with no count to keep. A recompute
   calls the original forward, so it neither counts nor nests.
 - Under ``no_grad`` / ``inference_mode`` (validation) the original forward runs directly.
+- Inside a compiled module (dynamo traces the wrapper) the checkpoint becomes part of the compiled graph: AOT
+  autograd recomputes in the compiled backward from what the forward captured, so no context is re-established
+  (dynamo takes only dispatch modes there).
 - A recompute runs in backward, after training_step's contexts have exited: ``recompute_context(module)`` (the
   precision plugin's) re-establishes for it what the step's forward context established (bf16 weights swapped
   for fp32 copies, the default dtype), through checkpoint's ``context_fn``.
@@ -71,6 +74,10 @@ class Installed:
                 counts[name] = n + 1
                 if n not in occurrences:
                     return original(*args, **kwargs)
+            if torch.compiler.is_compiling():
+                # dynamo traces this call (a compiled module): its checkpoint takes dispatch modes as context_fn,
+                # not contexts, and the recompute runs in the compiled backward on what the forward captured
+                return checkpoint(original, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
             return checkpoint(
                 original, *args, use_reentrant=False, preserve_rng_state=True, context_fn=contexts, **kwargs
             )

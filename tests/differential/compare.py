@@ -221,6 +221,8 @@ def compare_ranks(d: Diff, prefix: str, a_ex: dict, b_ex: dict, a: list[dict], b
     own_buffers = sharded or (loss_tail and a_ex["optimization"] == "manual")
     for r, (x, y) in enumerate(zip(a, b)):
         d.value(f"{prefix}global_step", f"rank {r} global_step", x["global_step"], y["global_step"])
+        if a_ex["model"].get("compile"):  # the compiled model ran compiled where the reference's did (not eagerly)
+            d.value(f"{prefix}compiled", f"rank {r} ran dynamo's graphs", x["compiled"] > 0, y["compiled"] > 0)
         lb = y["losses"][len(y["losses"]) - len(x["losses"]):] if loss_tail else y["losses"]
         d.tree(f"{prefix}losses", f"rank {r} losses", x["losses"], lb)
         d.named(f"{prefix}weights", f"rank {r} weights", x["weights"], y["weights"], y.get("initial"))

@@ -12,12 +12,30 @@ import torch.nn.functional as F
 from lightning.pytorch.demos import Transformer
 from lightning.pytorch.demos.boring_classes import RandomDataset
 from torch import nn
+from torch._dynamo.backends.common import aot_autograd
 from torch.utils.data import Dataset, TensorDataset
 
 from lightning_horizon.embedding import ShardedEmbeddingBag, SparseSGD
 from tests.differential.space import SECOND_OPTIMIZERS
 
 VOCAB, SEQ, D, BATCH = 16, 4, 8, 4  # batch: per rank and micro-batch
+#: calls of dynamo's compiled graphs in this process (model flag "compile"), by :func:`counting_backend`
+COMPILED_CALLS = [0]
+
+
+def _counted(graph: torch.fx.GraphModule, example_inputs: Any) -> Any:
+    def run(*args: Any) -> Any:
+        COMPILED_CALLS[0] += 1
+        return graph(*args)
+
+    return run
+
+
+#: A torch.compile backend as inductor's front half: AOT autograd (forward and backward graphs, what activation
+#: checkpointing and random ops inside a compiled region go through) whose graphs run eagerly (no inductor code:
+#: the ops a reference computes, at float64's precision) and count their calls: a fit whose model dynamo gave up
+#: on (run eagerly for good) counts none.
+counting_backend = aot_autograd(fw_compiler=_counted, bw_compiler=_counted)
 
 
 class UserAdam(torch.optim.Adam):
@@ -99,6 +117,9 @@ class Subject(L.LightningModule):
             self.side = nn.Linear(2, 1)  # gets a gradient in every other micro-batch only
         if self.m["frozen"]:
             next(self.net.parameters()).requires_grad_(False)
+        if self.m.get("compile"):  # in place: the state dict's keys stay the module's own
+            for module in (self.net.blocks if kind == "zoo" else [self.net]):
+                module.compile(backend=counting_backend)
         self.losses: list = []  # per micro-batch, on this rank
         self.val_losses: list = []
         self.eval_out: list = []

@@ -19,8 +19,10 @@ from typing import Any, Callable, Optional
 MODEL_KINDS = ("zoo", "transformer", "boring")  # zoo: ours (tokens, blocks); Lightning's demo Transformer, BoringModel
 #: "bag": a ShardedEmbeddingBag beside the zoo's token embedding (SparseSGD at its parameter group's lr; "ddp" trains
 #: a dense nn.EmbeddingBag in its place, tests/differential/models.py); True spreads it over the world, "node" over
-#: each node's ranks (a copy per node), "auto" lets its first lookup choose (with the example's cost model)
-MODEL_FLAGS = ("tied", "frozen", "never", "sometimes", "batchnorm", "dropout", "groups", "bag")
+#: each node's ranks (a copy per node), "auto" lets its first lookup choose (with the example's cost model);
+#: "compile": the network's blocks (the whole network for the demo models) under torch.compile, a counting backend
+#: that runs dynamo's graphs eagerly (no inductor: the same bits), and the fit must run them
+MODEL_FLAGS = ("tied", "frozen", "never", "sometimes", "batchnorm", "dropout", "groups", "bag", "compile")
 
 #: torch.optim, every class with state a user would pick, each with the variants that change its state or arithmetic
 OPTIMIZERS: dict[str, list[dict]] = {
@@ -134,6 +136,7 @@ def draw(seed: int, world: int) -> dict:
     ex["overlap"] = coin(0.5)
     bag, span = coin(0.25), rng.choice((True, "node", "auto"))  # span="world", "node" (a copy per node), "auto"
     ex["model"]["bag"] = span if bag else False
+    ex["model"]["compile"] = coin(0.15)
     ex = constrain(ex)
     if refusal(ex) is not None and not keep_refused:
         ex = unrefuse(ex)
@@ -303,6 +306,10 @@ def constrain(ex: dict) -> dict:
         # the table steps with SparseSGD at its group's lr: the same as "ddp"'s dense table under plain SGD
         # (embedding.md); it is the module's first parameter, so in the first optimizer
         ex["optimizer"] = {"name": "SGD", "kwargs": OPTIMIZERS["SGD"][0]}
+    if m["compile"] and ex["world"] > 1:
+        # torch's DDPOptimizer (dynamo under DDP) asserts buckets of at least its 1 MiB first bucket; Lightning's
+        # "ddp" raises alike (docs/composition.md)
+        ex["bucket_mb"] = 1.0
     if ex["collectives"] != "auto" and not (m["bag"] == "auto" and ex["world"] // ex["rpn"] > 1):
         ex["cost_model"] = None  # the option of collectives="auto" and of a table's span="auto" on several nodes
     elif ex["cost_model"] is None:
@@ -506,7 +513,7 @@ def summary(ex: dict) -> str:
     """One line naming the example's non-default choices."""
     m = ex["model"]
     parts = [f"w{ex['world']}" + (f"x{ex['rpn']}" if ex["rpn"] > 1 else ""), m["kind"]]
-    parts += [f + ("-node" if m[f] == "node" else "") for f in MODEL_FLAGS if m[f]]
+    parts += [f + (f"-{m[f]}" if isinstance(m[f], str) else "") for f in MODEL_FLAGS if m[f]]
     parts.append(ex["optimizer"]["name"] + ("" if not ex["optimizer"]["kwargs"] else
                                             "(" + ",".join(f"{k}={v}" for k, v in ex["optimizer"]["kwargs"].items()
                                                            if k != "lr") + ")").replace("()", ""))

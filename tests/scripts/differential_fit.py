@@ -45,7 +45,8 @@ if str(REPO) not in sys.path:
 from lightning_horizon import GradNormBackoff, HorizonPrecision, HorizonStrategy  # noqa: E402
 from lightning_horizon.embedding import tables_of  # noqa: E402
 from lightning_horizon.store import StoreConfig  # noqa: E402
-from tests.differential.models import BATCH, NodeAverage, RefClip, dataset, subject_class  # noqa: E402
+from tests.differential.models import (BATCH, COMPILED_CALLS, NodeAverage, RefClip, dataset,  # noqa: E402
+                                       subject_class)
 from tests.differential.space import COST_MODELS, EPOCH_STEPS, _sharded, n_optimizers, needs_unused  # noqa: E402
 from tests.scripts.composition_fit import Squeeze, sharding_of, true_weights  # noqa: E402
 
@@ -153,6 +154,9 @@ def fit(spec: dict, out: Path, seen: dict) -> dict:
     if spec["resume_from"] and not (out / spec["resume_from"]).exists():
         raise MissingCheckpoint(f"{spec['resume_from']} was not written (the fit that writes it failed)")
     seen["phase"] = "construction"
+    if ex["model"].get("compile"):  # every fit compiles afresh (one process runs many: no recompile limit reached)
+        torch._dynamo.reset()
+    COMPILED_CALLS[0] = 0
     L.seed_everything(ex["seed"], verbose=False)
     model = subject_class(ex)(ex, perturb=spec["perturb"])
     if ex["precision"] == "64-true":
@@ -199,7 +203,7 @@ def fit(spec: dict, out: Path, seen: dict) -> dict:
         "weights": whole_tables(model, true_weights(trainer, model)),
         "buffers": {n: b.detach().clone() for n, b in model.named_buffers()},
         "optim": optimizer_states(trainer), "owned": recorder.owned, "losses": list(model.losses),
-        "val_losses": list(model.val_losses), "eval": None, "initial": initial,
+        "val_losses": list(model.val_losses), "eval": None, "initial": initial, "compiled": COMPILED_CALLS[0],
     }
     if lifecycle and ex["save_after"]:
         seen["phase"] = "save after fit"

@@ -7,7 +7,8 @@ launcher re-executes this script for the other ranks). A run is
      "mode": "sum"|"mean", "clip": null|"backoff"|"trainer-norm", "steps": N, "resume_from": PATH|null,
      "weights": bool (per_sample_weights), "precision": "64-true"|"bf16-mixed", "epoch_steps": steps per epoch,
      "span": "auto"|"world"|"node" (every table's), "rpn": ranks per emulated node,
-     "links": null|name of LINKS (HorizonStrategy's cost_model: what span="auto" prices the layouts with)}
+     "links": null|name of LINKS (HorizonStrategy's cost_model: what span="auto" prices the layouts with),
+     "sharding": null|HorizonStrategy's sharding= (its profile runs the first step's forward once more)}
 
 The model (:class:`Risk`): a row-sharded ShardedEmbeddingBag (ROWS x DIM), two small table-wise ones (SMALL) and a
 Linear head, a BCE loss; the data
@@ -108,7 +109,8 @@ def run(cfg: dict, world: int, out: Path) -> None:
     extra = {"gradient_clip_val": CLIP} if cfg.get("clip") == "trainer-norm" else {}
     precision = {"precision": "64-true"} if dtype == torch.float64 else {"plugins": [HorizonPrecision("bf16-mixed")]}
     trainer = L.Trainer(
-        accelerator="cpu", devices=world, strategy=HorizonStrategy(ranks_per_node=cfg.get("rpn"), cost_model=LINKS.get(cfg.get("links"))), max_steps=steps,
+        accelerator="cpu", devices=world, strategy=HorizonStrategy(ranks_per_node=cfg.get("rpn"), cost_model=LINKS.get(cfg.get("links")),
+                                                           sharding=cfg.get("sharding")), max_steps=steps,
         max_epochs=-1, logger=False, enable_progress_bar=False, enable_model_summary=False,
         enable_checkpointing=False, num_sanity_val_steps=0, use_distributed_sampler=False, callbacks=callbacks,
         default_root_dir=str(out / "root"), **precision, **extra,

@@ -270,7 +270,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         med = {k: statistics.median(x[k] for x in rs) for k in rs[0]}
         speeds = [x["samples_s"] for x in rs]
         rows.append({"arm": arm, "ranks": ranks, **med, "rounds": rs})
-        print(f"| {arm}{span_of(arm, rs[-1])} | {ranks} | {med['samples_s']:,.0f} ({min(speeds):,.0f}-{max(speeds):,.0f}) |"
+        print(f"| {arm}{span_of(arm, rs[-1])} | {ranks} | {med['samples_s']:,.0f}"
+              f" ({min(speeds):,.0f}-{max(speeds):,.0f}) |"
               f" {med['table_mib']:,.1f} MiB | {med['rss_mib']:,.0f} MiB | {med['sent_mib']:,.3f} /"
               f" {med['sent_all_mib']:,.3f} MiB |")
     for ranks in sorted({k[1] for k in results}):

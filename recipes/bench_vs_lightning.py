@@ -556,7 +556,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     print(f"bench_vs_lightning: {args.config} | model {args.model} | global batch {batch} x {seq} tokens |"
           f" {args.warmup} warm-up +"
-          f" {args.steps} measured steps | {args.rounds} round(s){' (lockstep)' if args.lockstep else ''} | arms {', '.join(arms)} | ISA {isa().description},"
+          f" {args.steps} measured steps | {args.rounds} round(s){' (lockstep)' if args.lockstep else ''} |"
+          f" arms {', '.join(arms)} | ISA {isa().description},"
           f" native bf16: {'yes' if isa().native_bf16 else 'no'}"
           f" | {len(os.sched_getaffinity(0))} cores | {started}", flush=True)
     from lm_data import ByteCorpusDataModule

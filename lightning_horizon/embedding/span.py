@@ -144,6 +144,7 @@ class SpanChoice:
         if per_node:
             local, count, group, owner, replicas = self.node_layout
             rows = spread(table.num_embeddings, count, owner)
+            # ranks are node-major (Topology.node_ranks): world rank r holds place r % count of its node's copy
             table.move(local, count, group, owner, replicas, [rows[r % count] for r in range(t.world_size)])
         return per_node
 

@@ -108,9 +108,10 @@ def run(cfg: dict, world: int, out: Path) -> None:
     callbacks = [GradNormBackoff(max_norm=CLIP, spike_threshold=None)] if cfg.get("clip") == "backoff" else []
     extra = {"gradient_clip_val": CLIP} if cfg.get("clip") == "trainer-norm" else {}
     precision = {"precision": "64-true"} if dtype == torch.float64 else {"plugins": [HorizonPrecision("bf16-mixed")]}
+    strategy = HorizonStrategy(ranks_per_node=cfg.get("rpn"), cost_model=LINKS.get(cfg.get("links")),
+                               sharding=cfg.get("sharding"))
     trainer = L.Trainer(
-        accelerator="cpu", devices=world, strategy=HorizonStrategy(ranks_per_node=cfg.get("rpn"), cost_model=LINKS.get(cfg.get("links")),
-                                                           sharding=cfg.get("sharding")), max_steps=steps,
+        accelerator="cpu", devices=world, strategy=strategy, max_steps=steps,
         max_epochs=-1, logger=False, enable_progress_bar=False, enable_model_summary=False,
         enable_checkpointing=False, num_sanity_val_steps=0, use_distributed_sampler=False, callbacks=callbacks,
         default_root_dir=str(out / "root"), **precision, **extra,

@@ -569,26 +569,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             order = arms[r % len(arms):] + arms[: r % len(arms)]  # rotate: no arm always runs first or last
-            if args.lockstep:
-                for name, res in run_lockstep(order, workers, args, Path(tmp) / f"r{r}").items():
-                    runs[name].append(res)
-                    print(f"  round {r + 1}: {name:<20} {batch * seq / res['step_s']:>9,.0f} tok/s  loss"
-                          f" {res['final_loss']:.4f}  (lockstep, {order.index(name) + 1} of {len(order)})",
-                          flush=True)
-                order = []
-            for name in order:
-                # a run during which other processes used more than --max-foreign of the machine measured the
-                # neighbours as much as the arm: run it again (up to --retries times) and keep the quietest
-                tries = []
-                for attempt in range(args.retries + 1):
-                    tries.append(run_arm(workers[name], args, Path(tmp) / f"{name}.r{r}.{attempt}.json"))
-                    if tries[-1]["foreign"] <= args.max_foreign:
-                        break
-                res = min(tries, key=lambda t: t["foreign"])
+
+            def report(name: str, res: dict[str, Any], note: str) -> None:
                 runs[name].append(res)
                 print(f"  round {r + 1}: {name:<20} {batch * seq / res['step_s']:>9,.0f} tok/s  loss"
-                      f" {res['final_loss']:.4f}  others used {100 * res['foreign']:.0f}% of the machine"
-                      + (f" (quietest of {len(tries)} tries)" if len(tries) > 1 else ""), flush=True)
+                      f" {res['final_loss']:.4f}  {note}", flush=True)
+
+            if args.lockstep:
+                for name, res in run_lockstep(order, workers, args, Path(tmp) / f"r{r}").items():
+                    report(name, res, f"(lockstep, {order.index(name) + 1} of {len(order)})")
+            else:
+                for name in order:
+                    # a run during which other processes used more than --max-foreign of the machine measured the
+                    # neighbours as much as the arm: run it again (up to --retries times) and keep the quietest
+                    tries = []
+                    for attempt in range(args.retries + 1):
+                        tries.append(run_arm(workers[name], args, Path(tmp) / f"{name}.r{r}.{attempt}.json"))
+                        if tries[-1]["foreign"] <= args.max_foreign:
+                            break
+                    res = min(tries, key=lambda t: t["foreign"])
+                    report(name, res, f"others used {100 * res['foreign']:.0f}% of the machine"
+                           + (f" (quietest of {len(tries)} tries)" if len(tries) > 1 else ""))
             for k, v in matmul_peaks(args.peak_seconds, args.peak_sizes).items():
                 peaks[k] = max(peaks[k], v)
     tokens = batch * seq

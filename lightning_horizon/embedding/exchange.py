@@ -79,7 +79,7 @@ def move_rows(shard: Tensor, before: list[tuple[int, int]], after: list[tuple[in
         lo = max(a[0], b[0])
         return lo, max(lo, min(a[1], b[1]))
 
-    (lo, hi), (new_lo, new_hi) = before[rank], after[rank]
+    lo, (new_lo, new_hi) = before[rank][0], after[rank]
     sent = [common(before[rank], dest) for dest in after]
     got = [common(src, after[rank]) for src in before]
     blocks = swap_blocks(torch.cat([shard[a - lo:b - lo] for a, b in sent]), [b - a for a, b in sent],

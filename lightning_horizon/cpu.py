@@ -8,6 +8,8 @@ domains evenly. With fewer cores than ranks the cores are shared round-robin, an
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import glob
 import os
 import re
@@ -219,7 +221,7 @@ class ThreadSettings:
                 os.environ[var] = value
         if self.affinity is not None:
             os.sched_setaffinity(0, self.affinity)
-        torch.set_num_threads(self.threads)
+        set_threads(self.threads)
 
 
 def pin(cores: list[int], threads: Optional[int] = None) -> int:
@@ -237,8 +239,21 @@ def pin(cores: list[int], threads: Optional[int] = None) -> int:
     # (PyPI's torch) ignores these. A user's own setting wins.
     os.environ.setdefault("KMP_BLOCKTIME", "1")
     os.environ.setdefault("KMP_AFFINITY", "granularity=fine,compact,1,0")
-    torch.set_num_threads(threads)
+    set_threads(threads)
     return threads
+
+
+def set_threads(threads: int) -> None:
+    """``torch.set_num_threads(threads)`` where the count differs. The call costs even where the count is unchanged:
+    afterwards the same training step makes ~50k more futex calls (OpenMP regions waking their threads; the small GPT
+    on 2 cores, fp32 on the AVX2 path) and ran 0.2-2.6% slower in each of 4 interleaved pairs (docs/strategy.md)."""
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
+def planned_threads(local_rank: int, local_world_size: int, threads: Optional[int] = None) -> int:
+    """The intra-op threads ``place(local_rank, local_world_size, pin_cores=True, threads)`` will give this rank."""
+    return threads or len(plan_cores(local_rank, local_world_size, available_cores())[0])
 
 
 def machine_busy_seconds() -> float:
@@ -269,5 +284,49 @@ def allocator() -> Optional[str]:
 #: defaults hand pages back to the OS and fault them in again every step (docs/benchmarks.md: least RSS, slowest)
 JEMALLOC_CONF = ("oversize_threshold:1,background_thread:true,metadata_thp:auto,dirty_decay_ms:-1,"
                  "muzzy_decay_ms:-1")
+#: glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+#: What ``keep_freed_memory`` sets: blocks up to 256 MiB come from the heap (not a fresh mmap each), and the heap's
+#: free top goes back to the kernel only beyond 2 GiB (mallopt takes an int). A training step frees what the next
+#: one allocates again: glibc's defaults hand it back and fault it in again, 30-55k page faults per step of the small
+#: GPT here, 40-100 ms of system time (docs/strategy.md#allocator).
+KEEP_THRESHOLDS = {_M_MMAP_THRESHOLD: 256 << 20, _M_TRIM_THRESHOLD: (1 << 31) - 1}
+#: glibc's defaults in their steady state, set again at teardown: mmap from 32 MiB (the ceiling its dynamic
+#: threshold reaches by itself) and trim a free top beyond 128 KiB
+GLIBC_THRESHOLDS = {_M_MMAP_THRESHOLD: 32 << 20, _M_TRIM_THRESHOLD: 128 << 10}
+
+
+def _glibc_malloc() -> Optional[ctypes.CDLL]:
+    """This process's C library where glibc's malloc is the allocator and nobody configured it (no jemalloc or
+    tcmalloc loaded, no ``MALLOC_*_`` variable, no ``glibc.malloc`` tunable): a user's own setting wins."""
+    if allocator() is not None or any(k.startswith("MALLOC_") and k.endswith("_") for k in os.environ):
+        return None
+    if "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.gnu_get_libc_version  # glibc, not musl or macOS's libc
+        return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+    except (OSError, AttributeError):
+        return None
+
+
+def keep_freed_memory() -> bool:
+    """Tell glibc's malloc to keep the memory a step frees for the next step (``KEEP_THRESHOLDS``); False where
+    malloc is not glibc's or is configured already (then nothing changes)."""
+    libc = _glibc_malloc()
+    return libc is not None and all(libc.mallopt(k, v) == 1 for k, v in KEEP_THRESHOLDS.items())
+
+
+def release_freed_memory() -> None:
+    """After ``keep_freed_memory``: glibc's thresholds in their default steady state again, and the free memory
+    handed back to the kernel (``malloc_trim``)."""
+    libc = _glibc_malloc()
+    if libc is not None:
+        for k, v in GLIBC_THRESHOLDS.items():
+            libc.mallopt(k, v)
+        libc.malloc_trim(0)
+
+
 # one short line in the startup table; the commands are in docs/strategy.md#allocator
 ALLOCATOR_HINT = "glibc malloc: jemalloc with our settings keeps less memory, see docs/strategy.md#allocator"

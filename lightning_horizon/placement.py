@@ -25,21 +25,26 @@ def all_gather_objects(obj: Any) -> list[Any]:
     return out
 
 
-def place(topology: Topology, local_rank: int, ranks_here: int, pin: bool, threads: Any) -> list[dict[str, Any]]:
-    """Pin this rank's cores and size its thread pool (``cpu.place``); return every rank's row (collective)."""
+def place(topology: Topology, local_rank: int, ranks_here: int, pin: bool, threads: Any,
+          keep_freed: bool) -> list[dict[str, Any]]:
+    """Pin this rank's cores and size its thread pool (``cpu.place``), have malloc keep freed memory where asked
+    (``cpu.keep_freed_memory``); return every rank's row (collective)."""
     row = {"rank": topology.rank, "node": topology.node_rank, "local_rank": topology.local_rank,
-           **cpu.place(local_rank, ranks_here, pin, threads), "host": liveness.host(), "pid": os.getpid()}
+           **cpu.place(local_rank, ranks_here, pin, threads), "host": liveness.host(), "pid": os.getpid(),
+           "keeps_freed_memory": keep_freed and cpu.keep_freed_memory()}
     return all_gather_objects(row)
 
 
 def start(options: Any, world_size: int, rank: int, local_rank: int, ranks_here: int, device: Any, backend: Any,
           report_here: bool) -> tuple[Topology, ProcessGroups, list[dict[str, Any]]]:
-    """This rank's topology and process groups, its cores and threads pinned (``options.pin_cores`` on CPU), every
-    rank's row; rank 0 reports when ``report_here`` (collective)."""
+    """This rank's topology and process groups, its cores and threads pinned (``options.pin_cores`` on CPU), its
+    malloc keeping freed memory (``options.keep_freed_memory`` on CPU, without graph sharding: its budget measures
+    RSS that follows the tensors), every rank's row; rank 0 reports when ``report_here`` (collective)."""
     topology = Topology(world_size=world_size, rank=rank, ranks_per_node=options.ranks_per_node or ranks_here)
     groups = ProcessGroups(topology)
-    rows = place(topology, local_rank, ranks_here, options.pin_cores and device.type == "cpu",
-                 options.threads_per_rank)
+    cpu_here = device.type == "cpu"
+    rows = place(topology, local_rank, ranks_here, options.pin_cores and cpu_here, options.threads_per_rank,
+                 options.keep_freed_memory and cpu_here and options.sharding is None)
     if report_here:
         report(topology, rows, backend, ranks_here)
     return topology, groups, rows
@@ -61,10 +66,11 @@ def _destroy_process_group() -> None:
 def startup_table(topology: Topology, placement: list[dict[str, Any]], backend: Any) -> str:
     """Topology, per-rank cores and threads, ISA, backend and allocator, as printed at fit start."""
     isa, alloc = cpu.isa(), cpu.allocator()
+    kept = ", keeps freed memory" if placement[0].get("keeps_freed_memory") else ""
     header = (
         f"backend {backend}"
         f" | ISA {isa.name} (torch {isa.torch_capability}, native bf16: {'yes' if isa.native_bf16 else 'no'})"
-        f" | allocator {alloc or 'glibc malloc'}"
+        f" | allocator {alloc or 'glibc malloc'}{kept}"
     )
     table = placement_table(topology, placement, header)
     return table if alloc is not None else f"{table}\nhint: {cpu.ALLOCATOR_HINT}"

@@ -49,6 +49,9 @@ class HorizonStrategy(DDPStrategy):
         process_group_backend: ``"gloo"``, ``"ccl"``, ``"mpi"``, ``"nccl"``; ``None``: ``ccl`` if oneCCL imports.
         pin_cores: pin each local rank to its own slice of cores and size its thread pool to it.
         threads_per_rank: intra-op threads per rank; ``None``: one per pinned core.
+        keep_freed_memory: glibc's malloc keeps the memory a step frees for the next step instead of handing it
+            back and faulting it in again (not under ``sharding``, whose budget measures RSS; not where malloc is
+            jemalloc, tcmalloc or configured by you); given back at teardown.
         sharding: ``None``, ``"auto"`` or a ``ShardingConfig``: activation recompute under a memory budget.
         collectives: ``"flat"``, ``"hierarchical"``, ``"torus2d"`` or ``"auto"`` (per bucket, by the cost model).
         compression: ``None``, ``"bf16"`` or ``"int8"``: the inter-node stage, with error feedback.
@@ -80,7 +83,7 @@ class HorizonStrategy(DDPStrategy):
         cluster_environment: Optional[Any] = None, checkpoint_io: Optional[Any] = None,
         precision_plugin: Optional[Any] = None, *, ranks_per_node: Optional[int] = None, bucket_size_mb: float = 8,
         timeout: Union[float, timedelta] = DEFAULT_TIMEOUT_S, process_group_backend: Optional[str] = None,
-        pin_cores: bool = True, threads_per_rank: Optional[int] = None,
+        pin_cores: bool = True, threads_per_rank: Optional[int] = None, keep_freed_memory: bool = True,
         sharding: Union[None, str, ShardingConfig] = None, collectives: str = "flat", compression: Optional[str] = None,
         sync_every: int = 1, sync_warmup_steps: int = 0, outer: str = "average", outer_lr: float = 0.7,
         outer_momentum: float = 0.9, sync_overlap: bool = False, torus_shape: Optional[tuple[int, int]] = None,
@@ -146,6 +149,12 @@ class HorizonStrategy(DDPStrategy):
                     self._process_group_backend, self.root_device)
         # teardown gives back the threads, affinity and OpenMP variables of before (a notebook goes on after fit)
         self._thread_settings = cpu.ThreadSettings.capture()
+        if self.options.pin_cores and self.root_device.type == "cpu":
+            # the count pinning gives rank 0, for Lightning's launcher: with OMP_NUM_THREADS set it leaves
+            # torch.set_num_threads alone (a call costs even where the count is unchanged: cpu.set_threads), and the
+            # ranks it starts begin with it
+            os.environ.setdefault("OMP_NUM_THREADS",
+                                  str(cpu.planned_threads(0, self.num_processes, self.options.threads_per_rank)))
         super()._configure_launcher()
 
     @override
@@ -340,6 +349,8 @@ class HorizonStrategy(DDPStrategy):
         super().teardown()
         if self._thread_settings is not None:
             self._thread_settings.restore()
+        if self.placement and self.placement[self.global_rank]["keeps_freed_memory"]:
+            cpu.release_freed_memory()  # glibc's own thresholds again, the kept memory handed back
 
     @classmethod
     @override

@@ -70,6 +70,7 @@ def check_arguments(
     process_group_backend: Any,
     pin_cores: Any,
     threads_per_rank: Any,
+    keep_freed_memory: Any,
     checkpoint_io: Any,
     collectives_changed: list[str],
     kwargs: dict[str, Any],
@@ -93,6 +94,7 @@ def check_arguments(
     seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
     require(is_number(seconds, 0), OWNER, "timeout", timeout, "a finite number of seconds > 0, or a timedelta")
     require(isinstance(pin_cores, bool), OWNER, "pin_cores", pin_cores, "True or False")
+    require(isinstance(keep_freed_memory, bool), OWNER, "keep_freed_memory", keep_freed_memory, "True or False")
     require(checkpoint_io is None or isinstance(checkpoint_io, CheckpointIO), OWNER, "checkpoint_io", checkpoint_io,
             "a lightning CheckpointIO or None (atomic)")
     check_backend(process_group_backend)

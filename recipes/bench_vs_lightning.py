@@ -104,6 +104,7 @@ ARMS: dict[str, dict[str, Any]] = {
     "horizon-eager": {"kind": "horizon", "procs": 1, "model": {"compile": False}},  # for a --config that compiles
     "horizon-sdpa": {"kind": "horizon", "procs": 1, "model": {"attention": "sdpa"}},
     "horizon-nopin": {"kind": "horizon", "procs": 1, "strategy": {"pin_cores": False}},
+    "horizon-nokeep": {"kind": "horizon", "procs": 1, "strategy": {"keep_freed_memory": False}},
     # the defaults one at a time against plain Lightning (where a tax comes from): GradNormBackoff replaced by
     # Lightning's gradient_clip_val=1.0; HorizonPrecision replaced by Lightning's precision of the same compute
     # (32-true, or bf16-mixed where "auto" computes in bf16); Lightning's own strategy with our plugin and callback
@@ -238,6 +239,8 @@ class Baton:
 
 
 def worker(args: argparse.Namespace) -> None:
+    import resource
+
     import lightning as L
     import psutil
     import torch
@@ -268,6 +271,7 @@ def worker(args: argparse.Namespace) -> None:
             self.losses: list[float] = []
             self.rss = 0
             self.start: tuple[float, float, float] = (0.0, 0.0, 0.0)  # wall, machine busy CPU s, own CPU s
+            self.usage = resource.getrusage(resource.RUSAGE_SELF)  # rank 0's page faults and system time
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
             if baton is not None:  # the step before ends here: hand on, wait for the next turn
@@ -287,12 +291,14 @@ def worker(args: argparse.Namespace) -> None:
             self.rss = max(self.rss, psutil.Process().memory_info().rss)
             if len(self.ends) == args.warmup:  # the measured window starts here
                 self.start = (time.perf_counter(), machine_busy_seconds(), time.process_time())
+                self.usage = resource.getrusage(resource.RUSAGE_SELF)
 
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:
             if baton is not None:  # the last turn (the fit's end in it: not measured)
                 self.end_turn()
             wall, busy, own = (time.perf_counter() - self.start[0], machine_busy_seconds() - self.start[1],
                                time.process_time() - self.start[2])
+            usage, steps = resource.getrusage(resource.RUSAGE_SELF), max(1, len(self.ends) - args.warmup)
             mine = trainer.strategy.reduce(torch.tensor([float(self.rss), own], dtype=torch.float64),
                                            reduce_op="sum")  # every rank's RSS and CPU time, summed
             if trainer.global_rank == 0:
@@ -301,7 +307,8 @@ def worker(args: argparse.Namespace) -> None:
                     "ends": self.ends, "losses": self.losses, "rss_sum": float(mine[0]),
                     "threads": torch.get_num_threads(), "world": trainer.world_size,
                     "flops_per_batch": pl_module.flops_per_batch, "foreign": 0.0 if baton else foreign,
-                    "turns": self.turns,
+                    "turns": self.turns, "faults": (usage.ru_minflt - self.usage.ru_minflt) / steps,
+                    "sys_s": (usage.ru_stime - self.usage.ru_stime) / steps,
                 }))
 
     L.seed_everything(1337, verbose=False)
@@ -573,7 +580,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             def report(name: str, res: dict[str, Any], note: str) -> None:
                 runs[name].append(res)
                 print(f"  round {r + 1}: {name:<20} {batch * seq / res['step_s']:>9,.0f} tok/s  loss"
-                      f" {res['final_loss']:.4f}  {note}", flush=True)
+                      f" {res['final_loss']:.4f}  {res['faults']:>7,.0f} page faults, {1e3 * res['sys_s']:.0f} ms"
+                      f" system time per step  {note}", flush=True)
 
             if args.lockstep:
                 for name, res in run_lockstep(order, workers, args, Path(tmp) / f"r{r}").items():

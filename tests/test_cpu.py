@@ -58,3 +58,67 @@ def test_onednn_isa_cap_below_bf16_means_no_native_bf16(monkeypatch):
 
 def test_cpulist_parsing():
     assert cpu.parse_cpulist("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
+
+
+# ------------------------------------------------------------------ malloc keeps what a step frees
+
+_KEEP_SCRIPT = r"""
+import json, resource, sys
+import lightning as L, torch
+from lightning_horizon import HorizonStrategy
+from tests.scripts.fit import TinyLM, data
+
+def faults():  # minor page faults of the last 3 of 5 rounds of a 64 MiB tensor allocated, written and freed
+    counts = []
+    for _ in range(5):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        torch.ones(16 << 20)
+        counts.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    return sum(counts[2:])
+
+class During(L.Callback):
+    def on_train_start(self, trainer, pl_module):
+        out["during"].append(faults())
+
+out = {"before": faults(), "during": [], "after": [], "tables": []}
+for kwargs in ({}, {"sharding": "auto"}, {"keep_freed_memory": False}):
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=HorizonStrategy(**kwargs), max_steps=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[During()])
+    trainer.fit(TinyLM(), torch.utils.data.DataLoader(data(), batch_size=16))
+    out["tables"].append(trainer.strategy.startup_table().splitlines()[0])
+    out["after"].append(faults())
+print("RESULT", json.dumps(out))
+"""
+
+
+def test_glibc_malloc_keeps_freed_memory_during_fit_only_and_never_under_sharding_or_when_configured():
+    """The promise itself: memory a step frees is reallocated without page faults during fit (a 64 MiB tensor is
+    16,384 pages: glibc's defaults mmap it afresh every time), glibc's behaviour again after fit; sharding (its
+    budget measures RSS) and ``keep_freed_memory=False`` leave malloc alone; a user's own malloc setting wins."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    if cpu.allocator() is not None or cpu._glibc_malloc() is None:
+        pytest.skip("malloc here is not glibc's, or is configured by the environment")
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES" and not k.startswith("MALLOC_")}
+    run = subprocess.run([sys.executable, "-c", _KEEP_SCRIPT], capture_output=True, text=True, timeout=240,
+                         env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    out = json.loads(run.stdout.split("RESULT ", 1)[1])
+    pages = 3 * (64 << 20) // 4096
+    assert out["before"] > 0.9 * pages  # glibc's defaults: every round faults the tensor in again
+    kept, sharded, off = out["during"]
+    assert kept < 0.02 * pages, out
+    assert sharded > 0.9 * pages and off > 0.9 * pages, out
+    assert all(after > 0.9 * pages for after in out["after"]), out  # teardown gave glibc's thresholds back
+    assert out["tables"][0].endswith("allocator glibc malloc, keeps freed memory")
+    assert all(t.endswith("allocator glibc malloc") for t in out["tables"][1:]), out["tables"]
+    # a user's own setting wins: nothing is changed
+    env["MALLOC_ARENA_MAX"] = "2"  # not ours to judge: any glibc malloc variable
+    env["MALLOC_TRIM_THRESHOLD_"] = str(1 << 20)
+    code = "from lightning_horizon import cpu; print('KEPT', cpu.keep_freed_memory())"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert "KEPT False" in run.stdout, run.stdout + run.stderr

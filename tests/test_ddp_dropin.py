@@ -21,7 +21,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
-from lightning_horizon import HorizonStrategy, wire
+from lightning_horizon import HorizonStrategy, cpu, wire
 from tests.launch import REPO, assert_exited, run_script, run_worlds
 from tests.scripts.dropin_lifecycle import UnusedParameter, settings
 
@@ -218,6 +218,32 @@ def test_fit_gives_back_threads_affinity_and_openmp_variables(monkeypatch):
     assert seen["threads"] == len(affinity) and seen["env"]["OMP_NUM_THREADS"] == str(len(affinity))  # it pinned
     assert seen["affinity"] == sorted(affinity)
     assert after == before
+
+
+def test_no_set_num_threads_call_where_the_count_stays_the_same(monkeypatch):
+    """``torch.set_num_threads`` costs even where it changes nothing (cpu.set_threads): a fit on every core of a
+    process that runs that many threads already never calls it, neither our pinning and teardown nor Lightning's
+    launcher (which calls it unless ``OMP_NUM_THREADS`` is set: the strategy sets it for the launcher, as plain
+    ``"ddp"`` shows); where the count changes, it is called."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cores = len(cpu.available_cores())
+    torch.set_num_threads(cores)
+    calls = []
+    real = torch.set_num_threads
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: (calls.append(n), real(n))[1])
+    _trainer(HorizonStrategy()).fit(BoringModel())
+    assert calls == [] and torch.get_num_threads() == cores and "OMP_NUM_THREADS" not in os.environ
+    _trainer("ddp").fit(BoringModel())
+    torch.distributed.destroy_process_group()
+    assert calls == [cores]  # Lightning's launcher: the same count, set again
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # Lightning leaves it set
+    calls.clear()
+    cpu.set_threads(cores)
+    assert calls == []
+    if cores > 1:
+        cpu.set_threads(1)
+        assert calls == [1] and torch.get_num_threads() == 1
+        cpu.set_threads(cores)
 
 
 def test_two_ranks_rank_0_gets_its_settings_back(launched):

@@ -72,6 +72,7 @@ BAD = [
     (S, lambda: check_backend_device("nccl", torch.device("cpu")), "process_group_backend", "nccl",
      "NCCL reduces CUDA tensors only; use process_group_backend='gloo'"),
     (S, {"pin_cores": "yes"}, "pin_cores", "yes", "True or False"),
+    (S, {"keep_freed_memory": 1}, "keep_freed_memory", 1, "True or False"),
     (S, {"threads_per_rank": True}, "threads_per_rank", True, "int >= 1 or None"),
     (S, {"threads_per_rank": 0}, "threads_per_rank", 0, "int >= 1 or None"),
     (S, {"sharding": "on"}, "sharding", "on", "None, 'auto' or a ShardingConfig"),

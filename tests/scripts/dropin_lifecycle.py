@@ -39,10 +39,10 @@ class Record(L.Callback):
 def main(mode, out, kwargs="{}"):
     torch.set_num_threads(2)
     record = Record()
+    before = settings()  # the Trainer's construction sets OMP_NUM_THREADS for Lightning's launcher; fit's end unsets it
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=HorizonStrategy(**json.loads(kwargs)), max_steps=3,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[record])
-    before = settings()
     result = {}
     try:
         trainer.fit(UnusedParameter() if mode == "unused" else BoringModel())

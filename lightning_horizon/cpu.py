@@ -246,7 +246,7 @@ def pin(cores: list[int], threads: Optional[int] = None) -> int:
 def set_threads(threads: int) -> None:
     """``torch.set_num_threads(threads)`` where the count differs. The call costs even where the count is unchanged:
     afterwards the same training step makes ~50k more futex calls (OpenMP regions waking their threads; the small GPT
-    on 2 cores, fp32 on the AVX2 path) and ran 0.2-2.6% slower in each of 4 interleaved pairs (docs/strategy.md)."""
+    on 2 cores, fp32 on the AVX2 path) and ran 0.2-2.6% slower in each of 4 interleaved pairs (docs/benchmarks.md)."""
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
 
@@ -294,14 +294,16 @@ KEEP_THRESHOLDS = {_M_MMAP_THRESHOLD: 256 << 20, _M_TRIM_THRESHOLD: (1 << 31) - 
 #: glibc's defaults in their steady state, set again at teardown: mmap from 32 MiB (the ceiling its dynamic
 #: threshold reaches by itself) and trim a free top beyond 128 KiB
 GLIBC_THRESHOLDS = {_M_MMAP_THRESHOLD: 32 << 20, _M_TRIM_THRESHOLD: 128 << 10}
+#: the same knobs set from the environment (glibc's variables and tunables): a user's own setting wins
+_GLIBC_KNOBS = ("mmap_threshold", "trim_threshold", "top_pad", "mmap_max")
 
 
 def _glibc_malloc() -> Optional[ctypes.CDLL]:
-    """This process's C library where glibc's malloc is the allocator and nobody configured it (no jemalloc or
-    tcmalloc loaded, no ``MALLOC_*_`` variable, no ``glibc.malloc`` tunable): a user's own setting wins."""
-    if allocator() is not None or any(k.startswith("MALLOC_") and k.endswith("_") for k in os.environ):
-        return None
-    if "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
+    """This process's C library where glibc's malloc is the allocator and its thresholds are glibc's own (no jemalloc
+    or tcmalloc loaded, no ``MALLOC_MMAP_THRESHOLD_``-like variable, no such ``GLIBC_TUNABLES`` entry)."""
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    if allocator() is not None or any(f"MALLOC_{k.upper()}_" in os.environ or f"glibc.malloc.{k}" in tunables
+                                      for k in _GLIBC_KNOBS):
         return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")

@@ -42,8 +42,9 @@ class HorizonOptions:
     @classmethod
     def resolve(
         cls, *, ranks_per_node: Any, bucket_size_mb: Any, timeout: Any, process_group_backend: Any, pin_cores: Any,
-        threads_per_rank: Any, keep_freed_memory: Any, sharding: Any, collectives: Any, compression: Any, sync_every: Any,
-        sync_warmup_steps: Any, outer: Any, outer_lr: Any, outer_momentum: Any, sync_overlap: Any, torus_shape: Any, cost_model: Any, state: Any, node_weights: Any,
+        threads_per_rank: Any, keep_freed_memory: Any, sharding: Any, collectives: Any, compression: Any,
+        sync_every: Any, sync_warmup_steps: Any, outer: Any, outer_lr: Any, outer_momentum: Any, sync_overlap: Any,
+        torus_shape: Any, cost_model: Any, state: Any, node_weights: Any,
         state_checkpoint: Any, shard_group_nodes: Any, state_store: Union[None, str, os.PathLike, StoreConfig],
         checkpoint_io: Any, heartbeat_timeout: Any, ddp_kwargs: dict[str, Any], named: set[str],
     ) -> "HorizonOptions":
@@ -63,12 +64,14 @@ class HorizonOptions:
         seconds = check_arguments(
             ranks_per_node=ranks_per_node, bucket_size_mb=bucket_size_mb, timeout=timeout,
             process_group_backend=process_group_backend, pin_cores=pin_cores, threads_per_rank=threads_per_rank,
-            keep_freed_memory=keep_freed_memory, checkpoint_io=checkpoint_io, collectives_changed=config.changed(), kwargs=ddp_kwargs, named=named,
+            keep_freed_memory=keep_freed_memory, checkpoint_io=checkpoint_io, collectives_changed=config.changed(),
+            kwargs=ddp_kwargs, named=named,
         )
         return cls(ranks_per_node=ranks_per_node, bucket_size_mb=bucket_size_mb, timeout=timedelta(seconds=seconds),
                    process_group_backend=process_group_backend, pin_cores=pin_cores,
-                   threads_per_rank=threads_per_rank, keep_freed_memory=keep_freed_memory, sharding=resolved_sharding, collectives=config, state=state,
-                   node_weights=node_weights, state_checkpoint=state_checkpoint,
+                   threads_per_rank=threads_per_rank, keep_freed_memory=keep_freed_memory,
+                   sharding=resolved_sharding, collectives=config, state=state, node_weights=node_weights,
+                   state_checkpoint=state_checkpoint,
                    shard_group_nodes=shard_group_nodes, store=store,
                    heartbeat_timeout=check_heartbeat(heartbeat_timeout))
 

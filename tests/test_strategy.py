@@ -9,7 +9,7 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_horizon import HorizonStrategy
+from lightning_horizon import HorizonStrategy, cpu
 from tests.scripts.fit import TinyLM, data, launch
 
 
@@ -115,4 +115,8 @@ def test_two_processes_match_lightning_ddp_in_every_variant(tmp_path):
     cores = [set(r["cores"]) for r in placement]
     assert cores[0].isdisjoint(cores[1]) and not any(r["shared"] for r in placement)
     assert all(res["horizon"][r]["threads"] == len(cores[r]) for r in (0, 1))
+    # every rank's malloc keeps freed memory (glibc's, with thresholds the environment leaves alone), rank 0 says so
+    if cpu.allocator() is None and cpu._glibc_malloc() is not None:
+        assert all(r["keeps_freed_memory"] for r in placement)
+        assert "allocator glibc malloc, keeps freed memory" in res["horizon"][0]["table"]
     assert res["horizon"][0]["backend"] == "gloo"

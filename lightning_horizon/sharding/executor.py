@@ -74,13 +74,10 @@ class Installed:
                 counts[name] = n + 1
                 if n not in occurrences:
                     return original(*args, **kwargs)
-            if torch.compiler.is_compiling():
-                # dynamo traces this call (a compiled module): its checkpoint takes dispatch modes as context_fn,
-                # not contexts, and the recompute runs in the compiled backward on what the forward captured
-                return checkpoint(original, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
-            return checkpoint(
-                original, *args, use_reentrant=False, preserve_rng_state=True, context_fn=contexts, **kwargs
-            )
+            # where dynamo traces this call (a compiled module) its checkpoint takes dispatch modes as context_fn,
+            # not contexts, and the recompute runs in the compiled backward on what the forward captured
+            own = {} if torch.compiler.is_compiling() else {"context_fn": contexts}
+            return checkpoint(original, *args, use_reentrant=False, preserve_rng_state=True, **own, **kwargs)
 
         forward.__wrapped__ = original  # type: ignore[attr-defined]
         forward.__name__ = "forward"

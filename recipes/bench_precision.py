@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 import lightning.pytorch as L
-from gpt import GPT, GPTConfig
+from gpt import ATTENTIONS, GPT, GPTConfig
 from lightning_horizon import cpu
 from lightning_horizon.memory.probe import current_rss, peak_rss, reset_peak_rss
 from lightning_horizon.memory import bytes_per_param, held_bytes
@@ -139,7 +139,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=6)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--attention", choices=("sdpa", "manual", "auto"), default="sdpa",
+    ap.add_argument("--attention", choices=ATTENTIONS, default="sdpa",
                     help="recipes/gpt.py's GPTConfig.attention (default sdpa: one kernel for every precision)")
     ap.add_argument("--steps", type=int, default=6, help="timed steps per config and round")
     ap.add_argument("--warmup", type=int, default=2)

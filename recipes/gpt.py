@@ -1,7 +1,8 @@
 """The one GPT of the project (recipes, benchmarks and tests): pre-norm blocks, one fused QKV projection, the
 exact GELU (``GPTConfig(gelu="tanh")``: GPT-2's approximation), tied input/output embeddings,
 ``F.scaled_dot_product_attention`` or the attention written out (``GPTConfig(attention="manual")``: its T x T scores
-are saved for backward, the large activations that graph sharding's tests and benchmark plan around).
+are saved for backward, the large activations that graph sharding's tests and benchmark plan around; ``"blocked"``
+skips the scores above the diagonal blocks).
 
 Plain ``torch.nn``: nothing here knows about Lightning, so the same module trains under any strategy or precision
 and the benchmarks compare like with like.
@@ -17,9 +18,10 @@ import torch.nn.functional as F
 from torch import nn
 
 
-ATTENTIONS = ("auto", "sdpa", "manual")
+ATTENTIONS = ("auto", "sdpa", "manual", "blocked")
 GELUS = ("tanh", "none")  # F.gelu's approximate=
-MANUAL_MAX_LEN = 256  # "auto" uses the manual path in bf16 up to this many tokens (see GPTConfig.attention)
+BLOCKED_MAX_LEN = 1024  # "auto" uses the blocked path in bf16 up to this many tokens (see GPTConfig.attention)
+SCORE_BYTES = 8 << 20  # the largest scores tensor the written-out attention makes (see _written_out)
 
 
 @dataclass
@@ -41,11 +43,17 @@ class GPTConfig:
     bias: bool = True
     """Biases in the Linear and LayerNorm layers."""
     attention: str = "auto"
-    """``"sdpa"`` (``F.scaled_dot_product_attention``: torch's fused flash kernel on CPU), ``"manual"`` (two bf16
-    matmuls and a softmax) or ``"auto"``: manual for bf16 compute with sequences of up to 256 tokens, sdpa otherwise.
-    Measured on 2 Zen 5 cores (torch 2.13, forward + backward, 64-dim heads): in bf16 the flash kernel took 1.8-3x
-    the manual path's time up to 256 tokens (36.9 vs 20.9 ms at 16 x 6 heads x 256) and won from 512 on (281 vs
-    674 ms at 8 x 12 x 1024); in fp32 the flash kernel was as fast or faster at every length."""
+    """``"sdpa"`` (``F.scaled_dot_product_attention``: torch's fused flash kernel on CPU), ``"manual"`` (written out:
+    every query against every key, masked; two matmuls and a softmax), ``"blocked"`` (written out, the queries in
+    blocks of 128 rows up to 256 tokens and of 256 above, each against the keys up to its last row only: the scores
+    above the diagonal blocks are never computed) or ``"auto"``: blocked for bf16 compute up to 1,024 tokens, sdpa
+    otherwise. The written-out paths keep their scores for backward (blocked: 3/4 of the ``t x t`` matrix at 256
+    tokens, 5/8 at 1,024), the flash kernel none: at 8 x 1,024 tokens of the 125m shape one bf16 forward + backward
+    peaked at 5.2 GiB against 3.7 (manual 5.9). Measured on 2 Zen 4 cores (torch 2.13, the whole model's
+    forward, backward and AdamW step in bf16, interleaved rounds): blocked took 0.98-1.00x the manual path's time at
+    16 x 256 tokens, where the flash kernel took 1.15x; 0.82-0.84x the flash kernel's at 8 x 512 and 0.92-0.96x at
+    2 x 1,024 and 8 x 1,024. In fp32 the flash kernel was as fast or faster (blocked 1.01-1.02x at 256 tokens;
+    forward + backward of the attention alone 1.2x at 1,024)."""
     gelu: str = "none"
     """The MLP's GELU, as ``F.gelu(approximate=...)``: ``"none"`` (the exact erf form) or ``"tanh"`` (GPT-2's
     approximation). Measured on 2 Zen 4 cores (torch 2.13, the small config's GPT, forward + backward, CPU time,
@@ -76,7 +84,7 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.n_head, self.dropout, self.attention = cfg.n_head, cfg.dropout, cfg.attention
-        # added to the scores: 0 on and below the diagonal, -inf above (the manual path)
+        # added to the scores: 0 on and below the diagonal, -inf above (the written-out paths)
         self.register_buffer("causal", torch.full((cfg.block_size, cfg.block_size), float("-inf")).triu(1),
                              persistent=False)
 
@@ -84,22 +92,52 @@ class CausalSelfAttention(nn.Module):
         b, t, d = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, self.n_head, d // self.n_head).permute(2, 0, 3, 1, 4)
         p = self.dropout if self.training else 0.0
-        if self._manual(t, q.dtype):
-            # mask + scale * q k^T in the GEMM itself (one baddbmm): no separate passes over the (t, t) scores to
-            # scale and mask them (this attention's forward + backward in bf16: 0.62-0.77x the time)
-            h = b * self.n_head
-            att = torch.baddbmm(self.causal[:t, :t].to(q.dtype), q.reshape(h, t, -1), k.reshape(h, t, -1).mT,
-                                alpha=q.shape[-1] ** -0.5)
-            y = F.dropout(att.softmax(-1), p, self.training).view(b, self.n_head, t, t) @ v
-        else:
+        kind = self.kind(t, q.dtype)
+        if kind == "sdpa":
             # torch's fused CPU flash-attention kernel: no (t, t) score matrix is kept for backward
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+        else:
+            rows = t if kind == "manual" else query_block(t)
+            heads = (z.reshape(b * self.n_head, t, -1) for z in (q, k, v))
+            y = _written_out(*heads, self.causal, rows, p, self.training).view(b, self.n_head, t, -1)
         return self.proj(y.transpose(1, 2).reshape(b, t, d))
 
-    def _manual(self, t: int, dtype: torch.dtype) -> bool:
+    def kind(self, t: int, dtype: torch.dtype) -> str:
+        """The attention path a sequence of ``t`` tokens takes in ``dtype``: "sdpa", "manual" or "blocked"."""
         if self.attention != "auto":
-            return self.attention == "manual"
-        return dtype == torch.bfloat16 and t <= MANUAL_MAX_LEN
+            return self.attention
+        return "blocked" if dtype == torch.bfloat16 and t <= BLOCKED_MAX_LEN else "sdpa"
+
+
+def query_block(t: int) -> int:
+    """Query rows per block of the blocked attention at ``t`` tokens: 128 up to 256 tokens, 256 above (measured,
+    see ``GPTConfig.attention``)."""
+    return 128 if t <= 256 else 256
+
+
+def _written_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: torch.Tensor, rows: int, p: float,
+                 training: bool) -> torch.Tensor:
+    """Causal attention of ``(heads, t, head_dim)`` tensors, written out: the queries in blocks of ``rows``, each
+    against the keys up to its last row only, so that the scores above the diagonal blocks are never computed
+    (``rows = t``: the whole ``t x t`` matrix). Mask + scale * q k^T in the GEMM itself (one ``baddbmm`` onto the
+    additive mask): no separate passes over the scores to scale and mask them. The heads go in groups whose scores
+    take at most ``SCORE_BYTES``: under glibc's default settings a larger tensor is a fresh mmap, faulted in page by
+    page at every step (the whole model at 8 x 1024 tokens in bf16: 1.17-1.21x sdpa's step time in one group,
+    0.92x in groups)."""
+    h, t, _ = q.shape
+    scale = q.shape[-1] ** -0.5
+    ys = []
+    for start in range(0, t, rows):
+        end = min(start + rows, t)
+        mask = causal[start:end, :end].to(q.dtype)
+        group = max(1, SCORE_BYTES // ((end - start) * end * q.element_size()))
+        parts = [
+            F.dropout(torch.baddbmm(mask, q[g : g + group, start:end], k[g : g + group, :end].mT, alpha=scale)
+                      .softmax(-1), p, training) @ v[g : g + group, :end]
+            for g in range(0, h, group)
+        ]
+        ys.append(torch.cat(parts) if len(parts) > 1 else parts[0])
+    return torch.cat(ys, 1) if len(ys) > 1 else ys[0]
 
 
 class MLP(nn.Module):

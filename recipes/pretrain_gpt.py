@@ -62,7 +62,8 @@ class GPTPretrain(L.LightningModule):
         block_size: longest context; the data's ``seq_len`` must not exceed it.
         vocab_size: vocabulary (256: bytes).
         dropout: dropout on attention and residual branches.
-        attention: ``"auto"``, ``"sdpa"`` or ``"manual"`` (see ``GPTConfig.attention``: measured per dtype and length).
+        attention: ``"auto"``, ``"sdpa"``, ``"manual"`` or ``"blocked"`` (see ``GPTConfig.attention``: measured per
+            dtype and length).
         gelu: the MLP's GELU, ``"none"`` (exact) or ``"tanh"`` (GPT-2's approximation; see ``GPTConfig.gelu``).
         lr: peak learning rate.
         min_lr_ratio: the cosine decays to ``lr * min_lr_ratio`` at the last step.

@@ -33,8 +33,9 @@ contributes its *self* time (its own time minus its children's) to exactly one c
    marker's own time is DDP waiting for the last buckets' allreduce (overlapped, on gloo's threads): it goes to
    gradient sync, with the collectives' own calls.
 
-With ``attention="manual"`` the attention's matmuls count as matmul and its softmax as softmax; "attention" is
-the fused ``scaled_dot_product_attention`` kernel (forward and backward). MFU = ``gpt.train_flops_per_token`` x
+With ``attention="manual"`` or ``"blocked"`` (``"auto"``'s choice in bf16 up to 1,024 tokens) the attention's
+matmuls count as matmul and its softmax as softmax; "attention" is the fused ``scaled_dot_product_attention``
+kernel (forward and backward). MFU = ``gpt.train_flops_per_token`` x
 tokens/s (global, unprofiled steps) over the matmul peak of the compute dtype, measured in this process on all
 its cores before training (bench_vs_lightning's measurement). The profiler itself costs time (each op records an
 event): compare the profiled and unprofiled step times printed above the table.
@@ -180,6 +181,8 @@ def matmul_peak(dtype: str, seconds: float, sizes: tuple[int, ...] = (512, 1024,
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
+    from gpt import ATTENTIONS
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default=str(HERE / "configs" / "small.yaml"), help="a recipe config (model + data)")
     p.add_argument("--steps", type=int, default=10, help="profiled steps")
@@ -189,7 +192,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
                    " strategy's policy, one per pinned core)")
     p.add_argument("--bucket-mb", type=float, default=None, help="DDP bucket size, MiB (default: the strategy's)")
     p.add_argument("--optimizer-impl", default=None, choices=("fused", "foreach", "for-loop"))
-    p.add_argument("--attention", default=None, choices=("auto", "sdpa", "manual"))
+    p.add_argument("--attention", default=None, choices=ATTENTIONS)
     p.add_argument("--peak-seconds", type=float, default=1.0, help="time per dtype for the matmul-peak measurement")
     p.add_argument("--cache-dir", default=None, help="token cache (default ~/.cache/lightning_horizon)")
     p.add_argument("--json", default=None, help="also write the results here")
@@ -322,7 +325,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     attention = module.hparams.attention
     if attention == "auto":  # what "auto" took for this dtype and length (GPTConfig.attention)
         dtype = torch.bfloat16 if precision.compute == "bf16" else torch.float32
-        attention = f"auto -> {'manual' if module.model.blocks[0].attn._manual(seq, dtype) else 'sdpa'}"
+        attention = f"auto -> {module.model.blocks[0].attn.kind(seq, dtype)}"
     head = (f"profile_step: {args.config} | global batch {batch} x {seq} tokens | {args.devices} rank(s) x {threads}"
             f" thread(s) | compute {precision.compute} | optimizer {module.hparams.optimizer_impl} | attention"
             f" {attention} | ISA {isa().description} | {args.warmup} warm-up + {args.steps} profiled")

@@ -155,21 +155,47 @@ def test_gpt_attention_and_gelu_are_the_textbook_forms(gelu):
     from gpt import GPT, GPTConfig
 
     torch.manual_seed(0)
-    cfgs = [GPTConfig(vocab_size=32, block_size=12, n_layer=2, n_head=2, n_embd=16, gelu=gelu, attention=a)
-            for a in ("manual", "sdpa")]
-    a, b = (GPT(c).double() for c in cfgs)
-    b.load_state_dict(a.state_dict())
-    x = torch.randint(0, 32, (3, 10))
-    ya, yb = a(x), b(x)
-    ya.square().sum().backward(), yb.square().sum().backward()
-    assert (ya - yb).abs().max().item() < 1e-12
-    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
-        assert (pa.grad - pb.grad).abs().max().item() < 1e-12, name
+    _same_as_sdpa("manual", block_size=12, t=10, gelu=gelu)
+    a = GPT(GPTConfig(vocab_size=32, block_size=12, n_layer=2, n_head=2, n_embd=16, gelu=gelu)).double()
     h = torch.randn(4, 16, dtype=torch.float64)
     mlp = a.blocks[0].mlp
     assert torch.equal(mlp(h), mlp.proj(F.gelu(mlp.fc(h), approximate=gelu)))
     other = "tanh" if gelu == "none" else "none"
     assert (mlp(h) - mlp.proj(F.gelu(mlp.fc(h), approximate=other))).abs().max().item() > 1e-9
+
+
+def _same_as_sdpa(attention, block_size, t, gelu="none", batch=3):
+    """float64: the GPT with ``attention`` gives the sdpa kernel's outputs and gradients on ``batch x t`` tokens."""
+    from gpt import GPT, GPTConfig
+
+    cfgs = [GPTConfig(vocab_size=32, block_size=block_size, n_layer=2, n_head=2, n_embd=16, gelu=gelu, attention=a)
+            for a in (attention, "sdpa")]
+    a, b = (GPT(c).double() for c in cfgs)
+    b.load_state_dict(a.state_dict())
+    x = torch.randint(0, 32, (batch, t))
+    ya, yb = a(x), b(x)
+    ya.square().sum().backward(), yb.square().sum().backward()
+    assert (ya - yb).abs().max().item() < 1e-12
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert (pa.grad - pb.grad).abs().max().item() < 1e-12, name
+
+
+def test_blocked_attention_is_the_causal_attention(monkeypatch):
+    """float64: the blocked attention (queries in blocks, each against the keys up to its last row) gives the sdpa
+    kernel's outputs and gradients with one block, several, a ragged last one, and heads split into groups by the
+    scores' size; "auto" takes it for bf16 up to 1,024 tokens only."""
+    import gpt
+
+    torch.manual_seed(0)
+    assert [gpt.query_block(t) for t in (10, 256, 257, 1024)] == [128, 128, 256, 256]
+    for t in (100, 128, 300, 600):  # one block; exactly one; 128 + 128 + 44; 256 + 256 + 88
+        _same_as_sdpa("blocked", block_size=600, t=t, batch=2)
+    monkeypatch.setattr(gpt, "SCORE_BYTES", 128 * 300 * 8 * 3)  # float64 scores of 3 heads x 128 x 300
+    _same_as_sdpa("blocked", block_size=300, t=300, batch=4)  # 8 heads: per block groups of 7 + 1, 3 + 3 + 2, 8
+    _same_as_sdpa("manual", block_size=300, t=300, batch=4)  # one block of 300 rows: 8 groups of one head
+    attn = gpt.GPT(gpt.GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=16)).blocks[0].attn
+    assert [attn.kind(t, dt) for t, dt in ((1024, torch.bfloat16), (1025, torch.bfloat16), (256, torch.float32))] \
+        == ["blocked", "sdpa", "sdpa"]
 
 
 def test_resumed_sampler_continues_the_epoch():

@@ -4,6 +4,7 @@
     python recipes/bench_collectives.py --no-netns      # everything on loopback (no interface counters)
     python recipes/bench_collectives.py --rate 500mbit --sizes 1,8,64 --reps 5 --with-int8
     python recipes/bench_collectives.py --codec --sizes 2,8,64      # the codecs alone, in GB/s against copy_
+    python recipes/bench_collectives.py --shaped-only --sizes 0.001,0.0625,1 --reps 9 --calls   # each call's latency
 
 As root, with iproute2, each emulated node gets its own network namespace, joined to the other by a veth pair:
 intra-node traffic stays on the namespace's loopback, inter-node traffic crosses the veth, and both are read
@@ -38,12 +39,17 @@ from _bench import Namespaces, default_burst  # noqa: E402  (recipes/ is on sys.
 from lightning_horizon.collectives import CollectivesConfig, CostModel, GradientSync, Link
 from lightning_horizon.collectives.cost_model import BucketPlanner
 from lightning_horizon.collectives.layout import Piece
+from lightning_horizon.collectives.accounting import CommAccounting
 from lightning_horizon.collectives.chunks import FP32
+from lightning_horizon.collectives.comm import Comm
 from lightning_horizon.collectives.probe import probe
 from lightning_horizon.topology import ProcessGroups, Topology
 from lightning_horizon.state import TrainingState
 
 WORLD, PER_NODE = 4, 2
+#: --calls: the collectives the algorithms issue (gloo's ring allreduce; the pairwise exchange of all_to_all and
+#: all_gather), inside the nodes, across them (every column at once) and over the world
+CALLS = ("intra allreduce", "intra exchange", "inter allreduce", "inter exchange", "world allreduce")
 MIB = 2**20
 #: reference constants for the predictions: shared memory inside a node, 25 Gbit/s Ethernet between nodes
 CLUSTER = CostModel(intra=Link(2e-6, 1 / 20e9), inter=Link(15e-6, 1 / 3.125e9))
@@ -113,11 +119,41 @@ def worker(rank: int, args: argparse.Namespace) -> None:
                     "measured_inter": g[:, 3].sum().item() / WORLD if veth else None,
                     "measured_intra": g[:, 4].sum().item() / WORLD if veth else None,
                 })
+    calls = _call_times(groups, args.sizes, args.reps) if args.calls else {}
     if rank == 0:
-        out = {"rows": rows, "links": {"intra": [links.intra.alpha, links.intra.beta],
+        out = {"rows": rows, "calls": calls, "links": {"intra": [links.intra.alpha, links.intra.beta],
                                        "inter": [links.inter.alpha, links.inter.beta], "codec": dict(links.codec)}}
         Path(args.out).write_text(json.dumps(out))
     dist.destroy_process_group()
+
+
+def _call_times(groups: ProcessGroups, sizes: list[float], reps: int) -> dict[str, list[float]]:
+    """``--calls``: each collective the algorithms issue, alone, every group of its kind at once (as in a step):
+    ``"primitive@MiB" -> [min, median]`` seconds over ``reps`` calls, the slowest rank's. Their spread is what the
+    cost model's latency cannot hold where ranks share cores (each call waits for its processes to be scheduled)."""
+    topo, scratch = groups.topology, CommAccounting()
+    comms = {"intra": Comm(groups.intra, groups.intra_ranks, topo, scratch),
+             "inter": Comm(groups.inter, groups.inter_ranks, topo, scratch),
+             "world": Comm(None, list(range(WORLD)), topo, scratch)}
+    out = {}
+    for mib in sizes:
+        numel = max(WORLD, int(mib * MIB) // 4 // WORLD * WORLD)
+        for name in CALLS:
+            where, kind = name.split()
+            comm, x, y = comms[where], torch.zeros(numel), torch.empty(numel)
+            call = ((lambda: comm.allreduce(x)) if kind == "allreduce"
+                    else (lambda: comm.all_to_all(y.view(comm.size, -1), x.view(comm.size, -1))))
+            call()  # warm-up
+            times = []
+            for _ in range(reps):
+                dist.barrier()
+                start = time.perf_counter()
+                call()
+                times.append(time.perf_counter() - start)
+            t = torch.tensor([min(times), statistics.median(times)], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            out[f"{name}@{mib:g}"] = t.tolist()
+    return out
 
 
 # ---------------------------------------------------------------------- driver
@@ -134,6 +170,8 @@ def launch(args: argparse.Namespace, ns: Namespaces | None, out: str) -> dict:
                    "--sizes", ",".join(map(str, args.sizes)), "--reps", str(args.reps), "--chunk-mb", str(args.chunk_mb)]
             if args.with_int8:
                 cmd.append("--with-int8")
+            if args.calls:
+                cmd.append("--calls")
             procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
         deadline = time.time() + args.timeout
         for p in procs:
@@ -183,6 +221,12 @@ def report(title: str, result: dict, chunk_numel: int) -> CostModel:
         print(f"veth bytes / accounted bytes: {min(ratio):.3f} .. {max(ratio):.3f} (TCP/IP + Ethernet headers, ACKs)")
         ri = [x["measured_intra"] / x["accounted_intra"] for x in rows if x["accounted_intra"] > 0]
         print(f"loopback bytes / accounted intra-node bytes: {min(ri):.3f} .. {max(ri):.3f}")
+    if result["calls"]:
+        print("\nms per collective call, alone (slowest rank; min / median of the reps): a call's latency")
+        print(f"{'MiB':>7} " + " ".join(f"{n:>17}" for n in CALLS))
+        for mib in dict.fromkeys(k.split("@")[1] for k in result["calls"]):
+            cells = (result["calls"][f"{n}@{mib}"] for n in CALLS)
+            print(f"{mib:>7} " + " ".join(f"{lo * 1e3:>7.2f} / {mid * 1e3:<7.2f}" for lo, mid in cells))
     return links
 
 
@@ -274,6 +318,8 @@ def main() -> None:
     p.add_argument("--chunk-mb", type=float, default=CollectivesConfig().pipeline_chunk_mb,
                    help="pipeline chunk of the two-level algorithms (MiB)")
     p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--calls", action="store_true", help="also time each collective call the algorithms issue,"
+                   " alone, at every size (min and median: how much a call's latency varies)")
     p.add_argument("--codec", action="store_true", help="only the codecs alone, against copy_ (no ranks, no root)")
     p.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)

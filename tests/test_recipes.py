@@ -571,13 +571,17 @@ def test_bench_collectives_smoke(monkeypatch, capsys):
     import bench_collectives
 
     monkeypatch.setattr(sys, "argv", ["bench_collectives.py", "--no-netns", "--no-shape", "--sizes", "0.25",
-                                      "--reps", "1", "--with-int8", "--timeout", "150"])
+                                      "--reps", "2", "--with-int8", "--calls", "--timeout", "150"])
     bench_collectives.main()  # kills its ranks and raises when one fails or the timeout passes
     out = capsys.readouterr().out
     assert "== loopback" in out and "reference cluster" in out
     cells = re.findall(r"(\w+): ([\d.]+) \| ([\d.]+)", out)  # "algorithm: accounted | model" MiB per rank
     assert {name for name, _, _ in cells} == {"flat", "hierarchical", "torus2d", "hierarchical_int8"}
     assert all(accounted == model for _, accounted, model in cells), cells
+    # --calls: each collective alone, min / median ms, one row per size
+    row = next(line for line in out.splitlines() if line.startswith("   0.25 ")).split()[1:]
+    pairs = [(float(lo), float(mid)) for lo, slash, mid in zip(row[::3], row[1::3], row[2::3]) if slash == "/"]
+    assert len(pairs) == len(bench_collectives.CALLS) and all(0 < lo <= mid for lo, mid in pairs), row
 
 
 def test_bench_precision_smoke(monkeypatch, capsys):

@@ -121,8 +121,9 @@ def worker(rank: int, args: argparse.Namespace) -> None:
                 })
     calls = _call_times(groups, args.sizes, args.reps) if args.calls else {}
     if rank == 0:
-        out = {"rows": rows, "calls": calls, "links": {"intra": [links.intra.alpha, links.intra.beta],
-                                       "inter": [links.inter.alpha, links.inter.beta], "codec": dict(links.codec)}}
+        out = {"rows": rows, "calls": calls,
+               "links": {"intra": [links.intra.alpha, links.intra.beta], "inter": [links.inter.alpha, links.inter.beta],
+                         "codec": dict(links.codec)}}
         Path(args.out).write_text(json.dumps(out))
     dist.destroy_process_group()
 

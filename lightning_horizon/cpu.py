@@ -232,7 +232,7 @@ def pin(cores: list[int], threads: Optional[int] = None) -> int:
     """
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, cores)
-    threads = threads or len(cores)
+    threads = _thread_count(cores, threads)
     for var in _THREAD_VARS:
         os.environ[var] = str(threads)
     # Intel OpenMP (IPEX, oneDNN builds): spin briefly, then sleep, and keep threads on their cores. GNU OpenMP
@@ -253,7 +253,12 @@ def set_threads(threads: int) -> None:
 
 def planned_threads(local_rank: int, local_world_size: int, threads: Optional[int] = None) -> int:
     """The intra-op threads ``place(local_rank, local_world_size, pin_cores=True, threads)`` will give this rank."""
-    return threads or len(plan_cores(local_rank, local_world_size, available_cores())[0])
+    return _thread_count(plan_cores(local_rank, local_world_size, available_cores())[0], threads)
+
+
+def _thread_count(cores: list[int], threads: Optional[int]) -> int:
+    """The intra-op threads of a rank pinned to ``cores``: ``threads`` where given, else one per core."""
+    return threads or len(cores)
 
 
 def machine_busy_seconds() -> float:

@@ -148,9 +148,7 @@ def _call_times(groups: ProcessGroups, sizes: list[float], reps: int) -> dict[st
             times = []
             for _ in range(reps):
                 dist.barrier()
-                start = time.perf_counter()
-                call()
-                times.append(time.perf_counter() - start)
+                times.append(_timed(call))
             t = torch.tensor([min(times), statistics.median(times)], dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             out[f"{name}@{mib:g}"] = t.tolist()

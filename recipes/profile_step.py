@@ -5,6 +5,7 @@
     python recipes/profile_step.py --smoke                   # CI: the same, and a matmul peak of one size (512)
     python recipes/profile_step.py --optimizer-impl foreach --attention manual --threads-per-rank 1
     python recipes/profile_step.py --devices 4 --threads-per-rank 4 --bucket-mb 25 --trace step.json   # big node
+    python recipes/profile_step.py --gemms      # and the model's weight matmuls alone at their shapes: what they allow
 
 It trains ``pretrain_gpt.GPTPretrain`` (model and data sections of ``--config``) with what the recipe uses:
 HorizonStrategy, HorizonPrecision("auto") and GradNormBackoff(max_norm=1.0), on ``--devices`` ranks (Lightning's
@@ -39,6 +40,12 @@ kernel (forward and backward). MFU = ``gpt.train_flops_per_token`` x
 tokens/s (global, unprofiled steps) over the matmul peak of the compute dtype, measured in this process on all
 its cores before training (bench_vs_lightning's measurement). The profiler itself costs time (each op records an
 event): compare the profiled and unprofiled step times printed above the table.
+
+``--gemms``: after training, every distinct ``nn.Linear`` shape's three matmuls (forward ``x @ W^T``, input
+gradient ``dy @ W``, weight gradient ``dy^T @ x``, the layouts autograd passes to ``mm``) timed alone on the
+training's thread count, in the compute dtype, each the fastest of 5 calls: GFLOP/s per GEMM, and all of them,
+weighted by the layers of each shape, as a share of the peak. At narrow widths these GEMMs run well below the
+square matmuls of the peak, and that share bounds the step's MFU whatever the rest of the step costs.
 """
 
 from __future__ import annotations
@@ -180,6 +187,60 @@ def matmul_peak(dtype: str, seconds: float, sizes: tuple[int, ...] = (512, 1024,
     return measure_matmul_peak(torch.float32, sizes, seconds=seconds)
 
 
+#: --gemms: the weight matmuls of one nn.Linear, as autograd computes them for (tokens, in) inputs
+GEMMS = ("forward", "input grad", "weight grad")
+
+
+def weight_gemms(model: Any, tokens: int, dtype: str, reps: int = 5) -> list[dict[str, Any]]:
+    """The weight matmuls of ``model``'s ``nn.Linear`` layers, timed alone at their shapes in ``dtype``.
+
+    For each distinct ``(in, out)`` shape, with ``tokens`` rows: the forward ``x @ W^T``, the input gradient
+    ``dy @ W`` and the weight gradient ``dy^T @ x`` (the operand layouts autograd passes to ``mm``), each the fastest
+    of ``reps`` calls (as the matmul peak is measured), times the layers of that shape. What the step's MFU cannot
+    exceed at these shapes, whatever the rest of the step costs: the GEMMs' own share of the peak."""
+    import torch
+
+    from lightning_horizon.callbacks import fastest_call
+
+    dt = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    shapes: dict[tuple[int, int], int] = defaultdict(int)
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear):
+            shapes[(m.in_features, m.out_features)] += 1
+    rows = []
+    for (k, n), layers in shapes.items():
+        x, w, dy = (torch.randn(*s).to(dt) for s in ((tokens, k), (n, k), (tokens, n)))
+        calls = {"forward": lambda: torch.mm(x, w.t()), "input grad": lambda: torch.mm(dy, w),
+                 "weight grad": lambda: torch.mm(dy.t(), x)}
+        rows += [{"in": k, "out": n, "layers": layers, "gemm": gemm, "seconds": fastest_call(calls[gemm], reps),
+                  "flops": 2 * tokens * k * n} for gemm in GEMMS]
+    return rows
+
+
+def print_gemms(model: Any, tokens: int, dtype: str, threads: int, peak: float, world: int) -> dict[str, Any]:
+    """``weight_gemms`` on ``threads`` threads, printed: GFLOP/s per shape and GEMM, and their share of the peak."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        rows = weight_gemms(model, tokens, dtype)
+    finally:
+        torch.set_num_threads(before)
+    seconds = sum(r["seconds"] * r["layers"] for r in rows)
+    rate = sum(r["flops"] * r["layers"] for r in rows) / seconds
+    share = rate * world / peak  # every rank runs its own GEMMs at this rate
+    print(f"weight GEMMs alone ({dtype}, {threads} thread(s), {tokens:,} tokens per rank): {1e3 * seconds:.1f} ms per"
+          f" step, {rate / 1e9:.1f} GFLOP/s per rank = {100 * share:.1f}% of the peak")
+    print(f"| {'in x out':<12} | layers | " + " | ".join(f"{g} GFLOP/s" for g in GEMMS) + " |")
+    print("|" + "|".join("-" * w for w in (14, 8, *(len(g) + 10 for g in GEMMS))) + "|")
+    for i in range(0, len(rows), len(GEMMS)):
+        shape = rows[i: i + len(GEMMS)]
+        print(f"| {shape[0]['in']:>5} x {shape[0]['out']:<4} | {shape[0]['layers']:>6} | " + " | ".join(
+            f"{r['flops'] / r['seconds'] / 1e9:>{len(r['gemm']) + 8}.1f}" for r in shape) + " |")
+    return {"gemms": rows, "gemms_share_of_peak": share}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     from gpt import ATTENTIONS
 
@@ -197,6 +258,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     p.add_argument("--cache-dir", default=None, help="token cache (default ~/.cache/lightning_horizon)")
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--trace", default=None, help="also write a Chrome trace (chrome://tracing, ui.perfetto.dev)")
+    p.add_argument("--gemms", action="store_true", help="after training, time the model's weight matmuls alone at"
+                   " their shapes (forward, input and weight gradients): the MFU these GEMMs allow")
     p.add_argument("--smoke", action="store_true", help="tiny defaults: " + ", ".join(f"{k}={v}" for k, v in
                                                                                    SMOKE.items()))
     p.set_defaults(peak_sizes=(512, 1024, 2048))
@@ -352,13 +415,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     if details["other_threads"]:
         print("other threads (not in the table): " + ", ".join(
             f"{n[:40]} {1e3 * s / args.steps:.2f} ms" for n, s in details["other_threads"].items()))
+    gemms = print_gemms(module.model, batch // args.devices * seq, precision.compute, threads, peak,
+                        trainer.world_size) if args.gemms else {}
     result = {"config": args.config, "devices": args.devices, "threads": threads, "compute": precision.compute,
               "optimizer_impl": module.hparams.optimizer_impl, "attention": attention,
               "step_unprofiled_s": step_unprof, "step_profiled_s": step_prof, "tokens_per_sec": tokens / step_unprof,
               "flops_per_token": fpt, "peak_flops": peak, "mfu": mfu, "foreign": prof_cb.foreign,
               "cpu_per_step_s": cpu_step,
               "rows_ms_per_step": {r: 1e3 * rows[r] / args.steps for r in ROWS},
-              "rows_share": {r: rows[r] / window for r in ROWS}, **details}
+              "rows_share": {r: rows[r] / window for r in ROWS}, **gemms, **details}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return result

@@ -59,7 +59,7 @@ def test_categorize(names, row):
 
 def test_profile_step_smoke(tmp_path, capsys):
     returned = profile_step.main(["--smoke", "--threads-per-rank", "1", "--json", str(tmp_path / "p.json"),
-                                  "--trace", str(tmp_path / "trace.json")])
+                                  "--trace", str(tmp_path / "trace.json"), "--gemms"])
     out = capsys.readouterr().out
     assert "tiny.yaml | global batch 8 x 64 tokens | 1 rank(s) x 1 thread(s)" in out and "2 warm-up + 2 profiled" in out
     res = json.loads((tmp_path / "p.json").read_text())
@@ -75,6 +75,14 @@ def test_profile_step_smoke(tmp_path, capsys):
     for row in ("| matmul ", "| optimizer step ", "| other / Python overhead ", "MFU"):
         assert row in out
     assert (tmp_path / "trace.json").stat().st_size > 1000
+    # --gemms: tiny.yaml's Linear shapes (qkv, attention proj, mlp fc and proj; the head is 64 x 256 as the fc),
+    # three GEMMs each, at a rank's tokens
+    shapes = {(r["in"], r["out"]): r["layers"] for r in res["gemms"]}
+    assert shapes == {(64, 192): 2, (64, 64): 2, (64, 256): 3, (256, 64): 2} and len(res["gemms"]) == 12
+    assert [r["gemm"] for r in res["gemms"][:3]] == list(profile_step.GEMMS)
+    assert all(r["flops"] == 2 * 8 * 64 * r["in"] * r["out"] and r["seconds"] > 0 for r in res["gemms"])
+    assert 0 < res["gemms_share_of_peak"] < 10
+    assert f"weight GEMMs alone ({res['compute']}, 1 thread(s), 512 tokens per rank)" in out
 
 
 def test_breakdown_sums_to_the_window_and_counts_the_backward_wait_as_sync_with_ranks():
@@ -93,3 +101,23 @@ def test_breakdown_sums_to_the_window_and_counts_the_backward_wait_as_sync_with_
         assert rows["gradient sync"] == pytest.approx(sync / 1e3)
         assert rows["other / Python overhead"] == pytest.approx(0.050 - 0.027 - sync / 1e3)
         assert details["adamw_kernels_s"] == pytest.approx(0.004) and "gloo:all_reduce" in details["other_threads"]
+
+
+def test_fastest_call_warms_up_then_keeps_the_fastest():
+    """The GEMM rows and the matmul peak take the fastest call after a warm-up call, of at least ``calls`` calls and
+    as many more as ``seconds`` allow."""
+    import time
+
+    from lightning_horizon.callbacks import fastest_call
+
+    naps = [0.2, 0.05, 0.0, 0.05]  # the warm-up call is the slowest; it must not count, nor the later slow ones
+    seen = []
+
+    def nap():
+        seen.append(naps[len(seen)] if len(seen) < len(naps) else 0.01)
+        time.sleep(seen[-1])
+
+    assert fastest_call(nap, calls=3) < 0.04 and len(seen) == 4
+    seen.clear()
+    naps = [0.0] + [0.01] * 100
+    assert 0.01 <= fastest_call(nap, calls=1, seconds=0.1) and len(seen) >= 3  # calls=1 alone: 2

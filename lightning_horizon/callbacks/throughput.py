@@ -57,15 +57,22 @@ def measure_matmul_peak(
     best_flops = 0.0
     for n in sizes:
         a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-        torch.mm(a, b)  # warm-up: packing buffers, thread pool start
-        best, deadline, reps = float("inf"), time.perf_counter() + seconds / len(sizes), 0
-        while reps < 3 or time.perf_counter() < deadline:
-            t = time.perf_counter()
-            torch.mm(a, b)
-            best = min(best, time.perf_counter() - t)
-            reps += 1
-        best_flops = max(best_flops, 2 * n**3 / best)
+        best_flops = max(best_flops, 2 * n**3 / fastest_call(lambda: torch.mm(a, b), seconds=seconds / len(sizes)))
     return best_flops
+
+
+def fastest_call(fn: Callable[[], Any], calls: int = 3, seconds: float = 0.0) -> float:
+    """Seconds of the fastest call of ``fn``: after one warm-up call (packing buffers, the thread pool's start), at
+    least ``calls`` calls, and more until ``seconds`` have passed. The fastest, for the reason given in
+    :func:`measure_matmul_peak`."""
+    fn()
+    best, deadline, done = float("inf"), time.perf_counter() + seconds, 0
+    while done < calls or time.perf_counter() < deadline:
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+        done += 1
+    return best
 
 
 def compute_dtype_of(precision_plugin: Any) -> str:

@@ -103,6 +103,7 @@ ARMS: dict[str, dict[str, Any]] = {
     "horizon-compile": {"kind": "horizon", "procs": 1, "model": {"compile": True}},
     "horizon-eager": {"kind": "horizon", "procs": 1, "model": {"compile": False}},  # for a --config that compiles
     "horizon-sdpa": {"kind": "horizon", "procs": 1, "model": {"attention": "sdpa"}},
+    "horizon-bias": {"kind": "horizon", "procs": 1, "model": {"bias": True}},  # the GPT with GPT-2's biases
     "horizon-nopin": {"kind": "horizon", "procs": 1, "strategy": {"pin_cores": False}},
     "horizon-nokeep": {"kind": "horizon", "procs": 1, "strategy": {"keep_freed_memory": False}},
     # the defaults one at a time against plain Lightning (where a tax comes from): GradNormBackoff replaced by

@@ -27,13 +27,16 @@ from pretrain_gpt import GPTPretrain
 class GPT2Pretrain(GPTPretrain):
     """GPTPretrain with ``transformers.GPT2LMHeadModel`` as the model (same arguments; ``attention`` chooses the
     recipe's own GPT's kernel, so it must stay at its default here: transformers' GPT-2 chooses its own). ``gelu``
-    defaults to GPT-2's own tanh approximation (transformers' ``"gelu_new"``); ``"none"`` is its exact ``"gelu"``."""
+    defaults to GPT-2's own tanh approximation (transformers' ``"gelu_new"``); ``"none"`` is its exact ``"gelu"``.
+    ``bias`` stays ``True``: GPT-2's layers always have biases."""
 
-    def __init__(self, gelu: str = "tanh", **kwargs: Any) -> None:
-        super().__init__(gelu=gelu, **kwargs)
+    def __init__(self, gelu: str = "tanh", bias: bool = True, **kwargs: Any) -> None:
+        super().__init__(gelu=gelu, bias=bias, **kwargs)
         if self.cfg.attention != "auto":
             raise ValueError(f"GPT2Pretrain(attention={self.cfg.attention!r}): transformers' GPT-2 chooses its own"
                              " attention kernel; allowed is 'auto'")
+        if not self.cfg.bias:
+            raise ValueError("GPT2Pretrain(bias=False): transformers' GPT-2 always has biases; allowed is True")
         from transformers import GPT2Config, GPT2LMHeadModel
 
         c = self.cfg

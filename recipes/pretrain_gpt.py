@@ -65,6 +65,8 @@ class GPTPretrain(L.LightningModule):
         attention: ``"auto"``, ``"sdpa"``, ``"manual"`` or ``"blocked"`` (see ``GPTConfig.attention``: measured per
             dtype and length).
         gelu: the MLP's GELU, ``"none"`` (exact) or ``"tanh"`` (GPT-2's approximation; see ``GPTConfig.gelu``).
+        bias: biases in the Linear and LayerNorm layers. Off by default (as in PaLM and LLaMA; GPT-2 has them):
+            measured faster, the loss no higher (see ``GPTConfig.bias``). ``True`` for checkpoints trained with them.
         lr: peak learning rate.
         min_lr_ratio: the cosine decays to ``lr * min_lr_ratio`` at the last step.
         warmup_steps: linear warm-up steps.
@@ -85,6 +87,7 @@ class GPTPretrain(L.LightningModule):
         dropout: float = 0.0,
         attention: str = "auto",
         gelu: str = "none",
+        bias: bool = False,
         lr: float = 2e-3,
         min_lr_ratio: float = 0.1,
         warmup_steps: int = 50,
@@ -103,7 +106,7 @@ class GPTPretrain(L.LightningModule):
             raise ValueError(f"GPTPretrain(warmup_steps={warmup_steps!r}): allowed is an int >= 0")
         self.save_hyperparameters()
         self.cfg = GPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head,
-                             n_embd=n_embd, dropout=dropout, attention=attention, gelu=gelu)
+                             n_embd=n_embd, dropout=dropout, attention=attention, gelu=gelu, bias=bias)
         self.model = GPT(self.cfg)
         self.val_ppl = Perplexity()
         self.flops_per_batch: Optional[int] = None  # read by ThroughputMonitor

@@ -146,6 +146,20 @@ def test_gpt_rejects_bad_shapes():
         pretrain_gpt.GPTPretrain(optimizer_impl="sgd")
     with pytest.raises(ValueError, match=r"GPTConfig\(gelu='erf'\): allowed are \('tanh', 'none'\)"):
         pretrain_gpt.GPTPretrain(gelu="erf")
+    with pytest.raises(ValueError, match=r"GPTConfig\(bias='no'\): allowed are True and False"):
+        pretrain_gpt.GPTPretrain(bias="no")
+
+
+def test_recipe_gpt_has_no_biases_unless_asked():
+    """The recipe's default drops the biases (GPTConfig keeps GPT-2's); bias=True brings back every one of them."""
+    tiny = dict(n_layer=2, n_head=2, n_embd=16, block_size=8)
+    plain = dict(pretrain_gpt.GPTPretrain(**tiny).named_parameters())
+    assert not [n for n in plain if n.endswith(".bias")]
+    with_bias = dict(pretrain_gpt.GPTPretrain(**tiny, bias=True).named_parameters())
+    added = {n for n in with_bias if n not in plain}
+    # per block: qkv, attention proj, fc, mlp proj, two LayerNorms; and the final LayerNorm (the head has none)
+    assert len(added) == 2 * 6 + 1 and all(n.endswith(".bias") for n in added)
+    assert set(plain) <= set(with_bias)
 
 
 @pytest.mark.parametrize("gelu", ["none", "tanh"])
@@ -474,6 +488,8 @@ def test_hf_gpt2_trains_under_horizon_exactly_as_under_lightning(cache_dir):
     from lightning_horizon import GradNormBackoff, HorizonPrecision
 
     assert bench_vs_lightning.model_class("hf-gpt2") is hf_gpt2.GPT2Pretrain
+    with pytest.raises(ValueError, match=r"GPT2Pretrain\(bias=False\): transformers' GPT-2 always has biases"):
+        hf_gpt2.GPT2Pretrain(bias=False)
     cfg = yaml.safe_load(Path(TINY).read_text())
 
     class Losses(L.Callback):

@@ -117,7 +117,7 @@ import time  # noqa: E402
 import uuid  # noqa: E402
 from typing import Any, Optional  # noqa: E402
 
-from _bench import cpu_line, parse_common, parse_size, probe_cgroup, run_cgroup  # noqa: E402
+from _bench import cpu_line, free_port, parse_common, parse_size, probe_cgroup, run_cgroup  # noqa: E402
 STATES = ("replicated", "node_sharded")  # the --fit-memory search compares these two
 #: the arms of the comparison: HorizonStrategy keywords (node_sharded shares one copy of the weights per node;
 #: "node_sharded-copies" keeps a copy per rank that the owners update by broadcast)
@@ -244,16 +244,12 @@ def zero_worker(spec: dict[str, Any], out: str) -> None:
     ``configure_optimizers`` (torch's fused AdamW, its warm-up and cosine), each rank's batch from the same
     ResumableSampler; the step times through the other arms' StepTimer, its hooks called from the loop with a
     stand-in for the Trainer (the world size and the rank are all it reads of one); the Probe's per-rank file."""
-    import socket
     import subprocess
     from types import SimpleNamespace
 
     children = []
     if "RANK" not in os.environ:  # the launching process: rank 0, starting ranks 1..R-1
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(spec["ranks"]),
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(), WORLD_SIZE=str(spec["ranks"]),
                           LOCAL_WORLD_SIZE=str(spec["ranks"]), RANK="0", LOCAL_RANK="0")
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec), "--out", out]
         children = [subprocess.Popen(cmd, env={**os.environ, "RANK": str(r), "LOCAL_RANK": str(r)})

@@ -152,15 +152,6 @@ def remove_cgroup(group: Path) -> None:
     print(f"warning: could not remove {group}", file=sys.stderr)
 
 
-def free_port() -> str:
-    """A TCP port free on this machine now, for ``MASTER_PORT``: one derived from the pid can be another run's."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 def parse_size(text: str) -> int:
     """A size on the command line: ``1.5GiB``, ``800MiB``, ``2GB`` or plain bytes."""
     import argparse

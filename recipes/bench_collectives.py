@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from _bench import Namespaces, default_burst, free_port  # noqa: E402  (recipes/ is on sys.path when run as a script)
+from _bench import Namespaces, default_burst  # noqa: E402  (recipes/ is on sys.path when run as a script)
 from lightning_horizon.collectives import CollectivesConfig, CostModel, GradientSync, Link
 from lightning_horizon.collectives.cost_model import BucketPlanner
 from lightning_horizon.collectives.layout import Piece
@@ -160,7 +160,9 @@ def _call_times(groups: ProcessGroups, sizes: list[float], reps: int) -> dict[st
 
 def launch(args: argparse.Namespace, ns: Namespaces | None, out: str) -> dict:
     procs = []
-    port = free_port()
+    from lightning.fabric.plugins.environments.lightning import find_free_network_port
+
+    port = str(find_free_network_port())  # free now: one derived from the pid can be another run's
     try:
         for rank in range(WORLD):
             prefix, extra = ns.command(rank // PER_NODE) if ns else ([], {"MASTER_ADDR": "127.0.0.1"})

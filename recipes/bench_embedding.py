@@ -53,7 +53,7 @@ from typing import Any, Optional
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _bench import Namespaces, cpu_line, default_burst, free_port, parse_common, run_launches  # noqa: E402
+from _bench import Namespaces, cpu_line, default_burst, parse_common, run_launches  # noqa: E402
 
 ARMS = ("dense", "sharded", "sharded-node", "sharded-auto", "torchrec")
 SPANS = {"sharded": "world", "sharded-node": "node", "sharded-auto": "auto"}
@@ -175,12 +175,14 @@ def torchrec_missing() -> Optional[str]:
 
 def run(spec: dict[str, Any], timeout: float, ns: Optional[Namespaces] = None) -> Optional[dict[str, Any]]:
     """One arm in fresh processes: one launch, or one per emulated node (in ``ns``'s namespaces, or on loopback)."""
+    from lightning.fabric.plugins.environments.lightning import find_free_network_port
+
     from lightning_horizon.layout.tuner import run_worker
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.json"
         cmd = [sys.executable, __file__, "--worker", json.dumps(spec), "--out", str(out)]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "MASTER_PORT": free_port()}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "MASTER_PORT": str(find_free_network_port())}
         launches = []
         for node in range(spec["nodes"]):
             prefix, extra = ns.command(node) if ns else ([], {"MASTER_ADDR": "127.0.0.1"})

@@ -117,7 +117,7 @@ import time  # noqa: E402
 import uuid  # noqa: E402
 from typing import Any, Optional  # noqa: E402
 
-from _bench import cpu_line, free_port, parse_common, parse_size, probe_cgroup, run_cgroup  # noqa: E402
+from _bench import cpu_line, parse_common, parse_size, probe_cgroup, run_cgroup  # noqa: E402
 STATES = ("replicated", "node_sharded")  # the --fit-memory search compares these two
 #: the arms of the comparison: HorizonStrategy keywords (node_sharded shares one copy of the weights per node;
 #: "node_sharded-copies" keeps a copy per rank that the owners update by broadcast)
@@ -247,10 +247,12 @@ def zero_worker(spec: dict[str, Any], out: str) -> None:
     import subprocess
     from types import SimpleNamespace
 
+    from lightning.fabric.plugins.environments.lightning import find_free_network_port
+
     children = []
     if "RANK" not in os.environ:  # the launching process: rank 0, starting ranks 1..R-1
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(), WORLD_SIZE=str(spec["ranks"]),
-                          LOCAL_WORLD_SIZE=str(spec["ranks"]), RANK="0", LOCAL_RANK="0")
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_network_port()),
+                          WORLD_SIZE=str(spec["ranks"]), LOCAL_WORLD_SIZE=str(spec["ranks"]), RANK="0", LOCAL_RANK="0")
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec), "--out", out]
         children = [subprocess.Popen(cmd, env={**os.environ, "RANK": str(r), "LOCAL_RANK": str(r)})
                     for r in range(1, spec["ranks"])]

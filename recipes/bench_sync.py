@@ -50,7 +50,7 @@ from typing import Any, Optional
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # _bench.py, gpt.py, lm_data.py, pretrain_gpt.py
 
-from _bench import Namespaces, cpu_line, default_burst, free_port, run_launches  # noqa: E402
+from _bench import Namespaces, cpu_line, default_burst, run_launches  # noqa: E402
 
 ARMS = {
     "sync": {},
@@ -139,7 +139,9 @@ def run_arm(name: str, strategy: dict[str, Any], a: argparse.Namespace, ns: Opti
     out.unlink(missing_ok=True)
     spec = {"strategy": strategy, "nodes": a.nodes, "per_node": a.per_node, "threads": a.threads,
             "loopback": ns is None, "steps": a.warmup + a.steps, "model": cfg.get("model", {}), "data": data}
-    port = free_port()
+    from lightning.fabric.plugins.environments.lightning import find_free_network_port
+
+    port = str(find_free_network_port())  # free now: one derived from the pid can be another run's
     launches = []
     for node in range(1 if ns is None else a.nodes):
         prefix, extra = ns.command(node) if ns else ([], {"MASTER_ADDR": "127.0.0.1"})

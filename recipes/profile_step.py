@@ -45,7 +45,8 @@ event): compare the profiled and unprofiled step times printed above the table.
 gradient ``dy @ W``, weight gradient ``dy^T @ x``, the layouts autograd passes to ``mm``) timed alone on the
 training's thread count, in the compute dtype, each the fastest of 5 calls: GFLOP/s per GEMM, and all of them,
 weighted by the layers of each shape, as a share of the peak. At narrow widths these GEMMs run well below the
-square matmuls of the peak, and that share bounds the step's MFU whatever the rest of the step costs.
+square matmuls of the peak: that share is the best rate the step's weight matmuls reach, whatever the rest costs
+(the MFU also counts the attention's FLOPs, so it passes the share only as far as the attention adds work).
 """
 
 from __future__ import annotations
@@ -196,8 +197,8 @@ def weight_gemms(model: Any, tokens: int, dtype: str, reps: int = 5) -> list[dic
 
     For each distinct ``(in, out)`` shape, with ``tokens`` rows: the forward ``x @ W^T``, the input gradient
     ``dy @ W`` and the weight gradient ``dy^T @ x`` (the operand layouts autograd passes to ``mm``), each the fastest
-    of ``reps`` calls (as the matmul peak is measured), times the layers of that shape. What the step's MFU cannot
-    exceed at these shapes, whatever the rest of the step costs: the GEMMs' own share of the peak."""
+    of ``reps`` calls (as the matmul peak is measured), times the layers of that shape: the best rate the step's
+    weight matmuls reach at these shapes, whatever the rest of the step costs."""
     import torch
 
     from lightning_horizon.callbacks import fastest_call
@@ -221,12 +222,14 @@ def print_gemms(model: Any, tokens: int, dtype: str, threads: int, peak: float, 
     """``weight_gemms`` on ``threads`` threads, printed: GFLOP/s per shape and GEMM, and their share of the peak."""
     import torch
 
+    from lightning_horizon.cpu import set_threads
+
     before = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    set_threads(threads)  # only where the count changes: a needless call slows the GEMMs timed next
     try:
         rows = weight_gemms(model, tokens, dtype)
     finally:
-        torch.set_num_threads(before)
+        set_threads(before)
     seconds = sum(r["seconds"] * r["layers"] for r in rows)
     rate = sum(r["flops"] * r["layers"] for r in rows) / seconds
     share = rate * world / peak  # every rank runs its own GEMMs at this rate
@@ -259,7 +262,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--trace", default=None, help="also write a Chrome trace (chrome://tracing, ui.perfetto.dev)")
     p.add_argument("--gemms", action="store_true", help="after training, time the model's weight matmuls alone at"
-                   " their shapes (forward, input and weight gradients): the MFU these GEMMs allow")
+                   " their shapes (forward, input and weight gradients): the rate they reach")
     p.add_argument("--smoke", action="store_true", help="tiny defaults: " + ", ".join(f"{k}={v}" for k, v in
                                                                                    SMOKE.items()))
     p.set_defaults(peak_sizes=(512, 1024, 2048))

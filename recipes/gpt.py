@@ -12,16 +12,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 
 ATTENTIONS = ("auto", "sdpa", "manual", "blocked")
 GELUS = ("tanh", "none")  # F.gelu's approximate=
-BLOCKED_MAX_LEN = 1024  # "auto" uses the blocked path in bf16 up to this many tokens (see GPTConfig.attention)
-SCORE_BYTES = 8 << 20  # the largest scores tensor the written-out attention makes (see _written_out)
+#: "auto" takes the blocked path up to this many tokens in each dtype, sdpa beyond and in others (see GPTConfig.attention)
+BLOCKED_MAX_LEN = {torch.bfloat16: 1024, torch.float32: 512}
+SCORE_BYTES = 8 << 20  # the largest scores tensor the written-out attention makes (see WrittenOutAttention)
 
 
 @dataclass
@@ -51,14 +54,14 @@ class GPTConfig:
     """``"sdpa"`` (``F.scaled_dot_product_attention``: torch's fused flash kernel on CPU), ``"manual"`` (written out:
     every query against every key, masked; two matmuls and a softmax), ``"blocked"`` (written out, the queries in
     blocks of 128 rows up to 256 tokens and of 256 above, each against the keys up to its last row only: the scores
-    above the diagonal blocks are never computed) or ``"auto"``: blocked for bf16 compute up to 1,024 tokens, sdpa
-    otherwise. The written-out paths keep their scores for backward (blocked: 3/4 of the ``t x t`` matrix at 256
-    tokens, 5/8 at 1,024), the flash kernel none: at 8 x 1,024 tokens of the 125m shape one bf16 forward + backward
-    peaked at 5.2 GiB against 3.7 (manual 5.9). Measured on 2 Zen 4 cores (torch 2.13, the whole model's
-    forward, backward and AdamW step in bf16, interleaved rounds): blocked took 0.98-1.00x the manual path's time at
-    16 x 256 tokens, where the flash kernel took 1.15x; 0.82-0.84x the flash kernel's at 8 x 512 and 0.92-0.96x at
-    2 x 1,024 and 8 x 1,024. In fp32 the flash kernel was as fast or faster (blocked 1.01-1.02x at 256 tokens;
-    forward + backward of the attention alone 1.2x at 1,024)."""
+    above the diagonal blocks are never computed) or ``"auto"``: blocked up to 1,024 tokens in bf16 and up to 512 in
+    fp32, sdpa otherwise. The written-out paths (``WrittenOutAttention``) keep their scores for backward (blocked: 3/4
+    of the ``t x t`` matrix at 256 tokens, 5/8 at 1,024), the flash kernel none: at 8 x 1,024 tokens of the 125m
+    shape one bf16 forward + backward peaked at 5.2 GiB against 3.7 (manual 5.9). Measured on 2 Zen 4 cores (torch
+    2.13, the whole model's forward, backward, clip and AdamW step, the two models' steps alternating): blocked took
+    0.78x the flash kernel's time at 8 x 512 tokens and 0.81x at 4 x 1,024 in bf16; in fp32 (oneDNN capped at
+    AVX2) 0.975x at 16 x 256, 0.95x at 8 x 512 and 0.98x at 4 x 1,024, where its fp32 scores would cost twice
+    bf16's memory for the 2%."""
     gelu: str = "none"
     """The MLP's GELU, as ``F.gelu(approximate=...)``: ``"none"`` (the exact erf form) or ``"tanh"`` (GPT-2's
     approximation). Measured on 2 Zen 4 cores (torch 2.13, the small config's GPT, forward + backward, CPU time,
@@ -97,23 +100,22 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.n_head, d // self.n_head).permute(2, 0, 3, 1, 4)
+        qkv = self.qkv(x)
         p = self.dropout if self.training else 0.0
-        kind = self.kind(t, q.dtype)
+        kind = self.kind(t, qkv.dtype)
         if kind == "sdpa":
             # torch's fused CPU flash-attention kernel: no (t, t) score matrix is kept for backward
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+            q, k, v = qkv.view(b, t, 3, self.n_head, d // self.n_head).permute(2, 0, 3, 1, 4)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p).transpose(1, 2).reshape(b, t, d)
         else:
-            rows = t if kind == "manual" else query_block(t)
-            heads = (z.reshape(b * self.n_head, t, -1) for z in (q, k, v))
-            y = _written_out(*heads, self.causal, rows, p, self.training).view(b, self.n_head, t, -1)
-        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+            y = WrittenOutAttention.apply(qkv, self.n_head, self.causal, t if kind == "manual" else query_block(t), p)
+        return self.proj(y)
 
     def kind(self, t: int, dtype: torch.dtype) -> str:
         """The attention path a sequence of ``t`` tokens takes in ``dtype``: "sdpa", "manual" or "blocked"."""
         if self.attention != "auto":
             return self.attention
-        return "blocked" if dtype == torch.bfloat16 and t <= BLOCKED_MAX_LEN else "sdpa"
+        return "blocked" if t <= BLOCKED_MAX_LEN.get(dtype, 0) else "sdpa"
 
 
 def query_block(t: int) -> int:
@@ -122,29 +124,86 @@ def query_block(t: int) -> int:
     return 128 if t <= 256 else 256
 
 
-def _written_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: torch.Tensor, rows: int, p: float,
-                 training: bool) -> torch.Tensor:
-    """Causal attention of ``(heads, t, head_dim)`` tensors, written out: the queries in blocks of ``rows``, each
-    against the keys up to its last row only, so that the scores above the diagonal blocks are never computed
-    (``rows = t``: the whole ``t x t`` matrix). Mask + scale * q k^T in the GEMM itself (one ``baddbmm`` onto the
-    additive mask): no separate passes over the scores to scale and mask them. The heads go in groups whose scores
-    take at most ``SCORE_BYTES``: under glibc's default settings a larger tensor is a fresh mmap, faulted in page by
-    page at every step (the whole model at 8 x 1024 tokens in bf16: 1.17-1.21x sdpa's step time in one group,
-    0.92x in groups)."""
-    h, t, _ = q.shape
-    scale = q.shape[-1] ** -0.5
-    ys = []
+def _tiles(heads: int, t: int, rows: int, element_size: int) -> list[tuple[int, int, int, int]]:
+    """The written-out attention's tiles ``(start, end, first head, end head)``: the queries in blocks of ``rows``
+    (each against the keys up to its last row), the heads in groups whose scores take at most ``SCORE_BYTES``."""
+    tiles = []
     for start in range(0, t, rows):
         end = min(start + rows, t)
-        mask = causal[start:end, :end].to(q.dtype)
-        group = max(1, SCORE_BYTES // ((end - start) * end * q.element_size()))
-        parts = [
-            F.dropout(torch.baddbmm(mask, q[g : g + group, start:end], k[g : g + group, :end].mT, alpha=scale)
-                      .softmax(-1), p, training) @ v[g : g + group, :end]
-            for g in range(0, h, group)
-        ]
-        ys.append(torch.cat(parts) if len(parts) > 1 else parts[0])
-    return torch.cat(ys, 1) if len(ys) > 1 else ys[0]
+        group = max(1, SCORE_BYTES // ((end - start) * end * element_size))
+        tiles += [(start, end, g, min(g + group, heads)) for g in range(0, heads, group)]
+    return tiles
+
+
+class WrittenOutAttention(torch.autograd.Function):
+    """Causal attention written out, from the fused projection's ``(batch, t, 3 * width)`` output to the
+    ``(batch, t, width)`` input of the output projection, with a backward of its own.
+
+    The queries go in blocks of ``rows``, each against the keys up to its last row only, so that the scores above
+    the diagonal blocks are never computed (``rows = t``: the whole ``t x t`` matrix); the heads go in groups whose
+    scores take at most ``SCORE_BYTES``: under glibc's default settings a larger tensor is a fresh mmap, faulted in
+    page by page at every step (the whole model at 8 x 1024 tokens in bf16: 1.17-1.21x sdpa's step time in one
+    group, 0.92x in groups). Mask + scale * q k^T in the GEMM itself (one ``baddbmm`` onto the additive mask).
+
+    Why not autograd over the same ops: q, k and v come out of the projection in one relayout copy instead of three,
+    and their gradients go back in one; the backward writes each block's gradients into place instead of autograd's
+    zero-filled slice gradients, adds and concatenations. Saved for backward: q, k, v and each tile's probabilities
+    (with dropout also the dropped ones), as autograd would. Measured on 2 Zen 4 cores (torch 2.13, 16 x 256 tokens,
+    6 heads of 64, bf16): the 6 layers' attention forward + backward alone 0.83-0.85x the time of autograd over the
+    same blocked ops; the whole model's step (forward, backward, clip, fused AdamW) 0.974x (median of 30 alternating
+    pairs, quartiles 0.955-1.000), with the same loss to the last bit. Gradients of gradients are not supported (as
+    with the sdpa kernel)."""
+
+    @staticmethod
+    def forward(ctx, qkv: torch.Tensor, n_head: int, causal: torch.Tensor, rows: int, p: float) -> torch.Tensor:
+        b, t, width = qkv.shape
+        hd = width // (3 * n_head)
+        heads = qkv.new_empty(3, b, n_head, t, hd)
+        heads.copy_(qkv.view(b, t, 3, n_head, hd).permute(2, 0, 3, 1, 4))
+        heads = heads.view(3, b * n_head, t, hd)
+        q, k, v = heads
+        y = qkv.new_empty(b, n_head, t, hd)
+        out = y.view(b * n_head, t, hd)
+        saved = []
+        for s, e, g, h in _tiles(b * n_head, t, rows, qkv.element_size()):
+            probs = torch.baddbmm(causal[s:e, :e].to(qkv.dtype), q[g:h, s:e], k[g:h, :e].mT, alpha=hd**-0.5)
+            probs = probs.softmax(-1)
+            kept = F.dropout(probs, p) if p else probs
+            torch.bmm(kept, v[g:h, :e], out=out[g:h, s:e])
+            saved += [probs, kept] if p else [probs]
+        ctx.save_for_backward(heads, *saved)
+        ctx.rows, ctx.p = rows, p
+        return y.transpose(1, 2).reshape(b, t, width // 3)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        heads, *saved = ctx.saved_tensors
+        q, k, v = heads
+        bh, t, hd = q.shape
+        b, p = dy.shape[0], ctx.p
+        dy = dy.reshape(b, t, bh // b, hd).transpose(1, 2).reshape(bh, t, hd)
+        grads = torch.empty_like(heads)
+        dq, dk, dv = grads
+        tiles = list(enumerate(_tiles(bh, t, ctx.rows, q.element_size())))
+        per_tile = 2 if p else 1
+        for i, (s, e, g, h) in reversed(tiles):  # the last block's tiles first: they write every key's gradient
+            probs, kept = saved[i * per_tile], saved[i * per_tile + per_tile - 1]
+            dkept = torch.bmm(dy[g:h, s:e], v[g:h, :e].mT)
+            if p:
+                dkept.masked_fill_(kept == 0, 0).mul_(1 / (1 - p))
+            ds = torch._softmax_backward_data(dkept, probs, -1, probs.dtype)
+            torch.bmm(ds, k[g:h, :e], out=dq[g:h, s:e])
+            if e == t:
+                torch.bmm(kept.mT, dy[g:h, s:e], out=dv[g:h])
+                torch.bmm(ds.mT, q[g:h, s:e], out=dk[g:h])
+            else:
+                dv[g:h, :e] += torch.bmm(kept.mT, dy[g:h, s:e])
+                dk[g:h, :e] += torch.bmm(ds.mT, q[g:h, s:e])
+        grads[:2].mul_(hd**-0.5)
+        n_head = bh // b
+        return grads.view(3, b, n_head, t, hd).permute(1, 3, 0, 2, 4).reshape(b, t, 3 * n_head * hd), None, None, \
+            None, None
 
 
 class MLP(nn.Module):

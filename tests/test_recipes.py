@@ -208,8 +208,59 @@ def test_blocked_attention_is_the_causal_attention(monkeypatch):
     _same_as_sdpa("blocked", block_size=300, t=300, batch=4)  # 8 heads: per block groups of 7 + 1, 3 + 3 + 2, 8
     _same_as_sdpa("manual", block_size=300, t=300, batch=4)  # one block of 300 rows: 8 groups of one head
     attn = gpt.GPT(gpt.GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=16)).blocks[0].attn
-    assert [attn.kind(t, dt) for t, dt in ((1024, torch.bfloat16), (1025, torch.bfloat16), (256, torch.float32))] \
-        == ["blocked", "sdpa", "sdpa"]
+    cases = ((1024, torch.bfloat16), (1025, torch.bfloat16), (512, torch.float32), (513, torch.float32),
+             (16, torch.float64))
+    assert [attn.kind(t, dt) for t, dt in cases] == ["blocked", "sdpa", "blocked", "sdpa", "sdpa"]
+
+
+def _attention_reference(qkv, n_head, causal, rows, p):
+    """Autograd over the textbook ops, tile by tile in WrittenOutAttention's order (so that dropout draws the same
+    masks): softmax(q k^T / sqrt(head_dim) + mask), dropped, times v."""
+    import gpt
+
+    b, t, width = qkv.shape
+    hd = width // (3 * n_head)
+    q, k, v = (z.reshape(b * n_head, t, hd) for z in qkv.view(b, t, 3, n_head, hd).permute(2, 0, 3, 1, 4))
+    blocks = {}
+    for s, e, g, h in gpt._tiles(b * n_head, t, rows, qkv.element_size()):
+        probs = ((q[g:h, s:e] @ k[g:h, :e].mT) * hd**-0.5 + causal[s:e, :e]).softmax(-1)
+        blocks.setdefault(s, []).append(F.dropout(probs, p) @ v[g:h, :e])
+    y = torch.cat([torch.cat(parts) for parts in blocks.values()], 1)
+    return y.view(b, n_head, t, hd).transpose(1, 2).reshape(b, t, n_head * hd)
+
+
+def test_written_out_attention_backward_is_autograds(monkeypatch):
+    """The written-out attention's own backward gives autograd's gradients of the textbook ops, with dropout (same
+    masks), with blocks, a ragged last one and heads in groups; in bf16 it stays within bf16's rounding of float64."""
+    import gpt
+
+    torch.manual_seed(0)
+    b, t, n_head, hd = 2, 300, 4, 8
+    causal = torch.full((t, t), float("-inf"), dtype=torch.float64).triu(1)
+    monkeypatch.setattr(gpt, "SCORE_BYTES", 128 * 300 * 8 * 3)  # float64 scores of 3 heads x 128 x 300
+    qkv = torch.randn(b, t, 3 * n_head * hd, dtype=torch.float64)
+    dy = torch.randn(b, t, n_head * hd, dtype=torch.float64)
+    for rows, p in ((t, 0.0), (128, 0.0), (t, 0.3), (128, 0.3)):
+        grads = []
+        for attention in (gpt.WrittenOutAttention.apply, _attention_reference):
+            x = qkv.clone().requires_grad_()
+            torch.manual_seed(1)
+            y = attention(x, n_head, causal, rows, p)
+            y.backward(dy)
+            grads.append((y, x.grad))
+        (y, g), (y_ref, g_ref) = grads
+        assert (y - y_ref).abs().max().item() < 1e-12 and (g - g_ref).abs().max().item() < 1e-12, (rows, p)
+        if p:  # the masks were drawn: without dropout the output differs
+            assert (y - _attention_reference(qkv, n_head, causal, rows, 0.0)).abs().max().item() > 0.1
+    x = qkv.bfloat16().requires_grad_()
+    y = gpt.WrittenOutAttention.apply(x, n_head, causal, 128, 0.0)
+    y.backward(dy.bfloat16())
+    x_ref = qkv.clone().requires_grad_()
+    y_ref = _attention_reference(x_ref, n_head, causal, 128, 0.0)
+    y_ref.backward(dy)
+    assert y.dtype == x.grad.dtype == torch.bfloat16
+    assert (y.double() - y_ref).abs().max().item() < 0.02 * y_ref.abs().max().item()
+    assert (x.grad.double() - x_ref.grad).abs().max().item() < 0.02 * x_ref.grad.abs().max().item()
 
 
 def test_resumed_sampler_continues_the_epoch():

@@ -135,6 +135,16 @@ def _tiles(heads: int, t: int, rows: int, element_size: int) -> list[tuple[int, 
     return tiles
 
 
+def _bmm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``out = a @ b`` for batches of matrices. Into a row slice (not contiguous), a fresh product and a copy: torch's
+    ``bmm`` writes a strided ``out=`` through a slower path (fp32, a block of 64 heads x 128 x 256 by 256 x 64 on 2 Zen
+    4 cores: 2.24 ms against 1.81 + 0.13 for the copy)."""
+    if out.is_contiguous():
+        torch.bmm(a, b, out=out)
+    else:
+        out.copy_(torch.bmm(a, b))
+
+
 class WrittenOutAttention(torch.autograd.Function):
     """Causal attention written out, from the fused projection's ``(batch, t, 3 * width)`` output to the
     ``(batch, t, width)`` input of the output projection, with a backward of its own.
@@ -169,7 +179,7 @@ class WrittenOutAttention(torch.autograd.Function):
             probs = torch.baddbmm(causal[s:e, :e].to(qkv.dtype), q[g:h, s:e], k[g:h, :e].mT, alpha=hd**-0.5)
             probs = probs.softmax(-1)
             kept = F.dropout(probs, p) if p else probs
-            torch.bmm(kept, v[g:h, :e], out=out[g:h, s:e])
+            _bmm_into(out[g:h, s:e], kept, v[g:h, :e])
             saved += [probs, kept] if p else [probs]
         ctx.save_for_backward(heads, *saved)
         ctx.rows, ctx.p = rows, p
@@ -193,7 +203,7 @@ class WrittenOutAttention(torch.autograd.Function):
             if p:
                 dkept.masked_fill_(kept == 0, 0).mul_(1 / (1 - p))
             ds = torch._softmax_backward_data(dkept, probs, -1, probs.dtype)
-            torch.bmm(ds, k[g:h, :e], out=dq[g:h, s:e])
+            _bmm_into(dq[g:h, s:e], ds, k[g:h, :e])
             if e == t:
                 torch.bmm(kept.mT, dy[g:h, s:e], out=dv[g:h])
                 torch.bmm(ds.mT, q[g:h, s:e], out=dk[g:h])

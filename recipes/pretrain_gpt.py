@@ -23,6 +23,7 @@ choose your own (``data.batch_size`` is then per rank). See docs/layout.md.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -50,6 +51,17 @@ from lightning_horizon import CommMonitor, GradNormBackoff, MemoryMonitor, Throu
 log = logging.getLogger("lightning_horizon.recipes")
 
 OPTIMIZERS = ("fused", "foreach", "for-loop")
+
+
+def model_flops(cfg: GPTConfig, batch: int, seq_len: int) -> int:
+    """FLOPs of one training step (forward + backward) of ``batch x seq_len`` tokens, counted by torch's FlopCounter
+    on a meta copy (no memory). The model's FLOPs, as MFU counts them (PaLM's convention): the whole causal attention
+    matrix, whichever attention path runs (the count of the flash kernel's call), not the fewer FLOPs the blocked
+    path computes, so that a faster attention path shows as a higher MFU."""
+    with torch.device("meta"):
+        meta = GPT(dataclasses.replace(cfg, attention="sdpa"))
+        x = torch.zeros(batch, seq_len, dtype=torch.long)
+        return measure_flops(meta, lambda: meta(x), lambda y: y.float().sum())
 
 
 class GPTPretrain(L.LightningModule):
@@ -120,11 +132,7 @@ class GPTPretrain(L.LightningModule):
         if dm.seq_len > self.cfg.block_size:
             raise ValueError(f"data.seq_len={dm.seq_len} exceeds model.block_size={self.cfg.block_size}:"
                              " lower the one or raise the other")
-        # FLOPs of one training step on this rank, counted by torch's FlopCounter on a meta copy (no memory)
-        with torch.device("meta"):
-            meta = GPT(self.cfg)
-            x = torch.zeros(dm.batch_size, dm.seq_len, dtype=torch.long)
-            self.flops_per_batch = measure_flops(meta, lambda: meta(x), lambda y: y.float().sum())
+        self.flops_per_batch = model_flops(self.cfg, dm.batch_size, dm.seq_len)
 
     def configure_model(self) -> None:
         if self.hparams.compile and not getattr(self, "_compiled", False):

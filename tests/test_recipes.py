@@ -213,6 +213,16 @@ def test_blocked_attention_is_the_causal_attention(monkeypatch):
     assert [attn.kind(t, dt) for t, dt in cases] == ["blocked", "sdpa", "blocked", "sdpa", "sdpa"]
 
 
+def test_model_flops_count_the_whole_attention_whichever_path_runs():
+    """MFU's FLOPs are the model's (PaLM's count: the whole causal attention matrix), not the fewer the blocked path
+    computes: the same for every attention setting, and equal to the closed form."""
+    from gpt import GPTConfig, train_flops_per_token
+
+    for attention in ("auto", "blocked", "manual", "sdpa"):
+        cfg = GPTConfig(vocab_size=64, block_size=128, n_layer=2, n_head=2, n_embd=32, attention=attention)
+        assert pretrain_gpt.model_flops(cfg, 3, 128) == train_flops_per_token(cfg, 128) * 3 * 128, attention
+
+
 def _attention_reference(qkv, n_head, causal, rows, p):
     """Autograd over the textbook ops, tile by tile in WrittenOutAttention's order (so that dropout draws the same
     masks): softmax(q k^T / sqrt(head_dim) + mask), dropped, times v."""

@@ -22,7 +22,8 @@ from torch.autograd.function import once_differentiable
 
 ATTENTIONS = ("auto", "sdpa", "manual", "blocked")
 GELUS = ("tanh", "none")  # F.gelu's approximate=
-#: "auto" takes the blocked path up to this many tokens in each dtype, sdpa beyond and in others (see GPTConfig.attention)
+#: "auto" takes the blocked path up to this many tokens in each dtype, sdpa beyond and in other dtypes
+#: (see GPTConfig.attention)
 BLOCKED_MAX_LEN = {torch.bfloat16: 1024, torch.float32: 512}
 SCORE_BYTES = 8 << 20  # the largest scores tensor the written-out attention makes (see WrittenOutAttention)
 
@@ -169,7 +170,7 @@ class WrittenOutAttention(torch.autograd.Function):
         b, t, width = qkv.shape
         hd = width // (3 * n_head)
         heads = qkv.new_empty(3, b, n_head, t, hd)
-        heads.copy_(qkv.view(b, t, 3, n_head, hd).permute(2, 0, 3, 1, 4))
+        heads.copy_(qkv.reshape(b, t, 3, n_head, hd).permute(2, 0, 3, 1, 4))
         heads = heads.view(3, b * n_head, t, hd)
         q, k, v = heads
         y = qkv.new_empty(b, n_head, t, hd)

@@ -34,11 +34,11 @@ contributes its *self* time (its own time minus its children's) to exactly one c
    marker's own time is DDP waiting for the last buckets' allreduce (overlapped, on gloo's threads): it goes to
    gradient sync, with the collectives' own calls.
 
-With ``attention="manual"`` or ``"blocked"`` (``"auto"``'s choice up to 1,024 tokens in bf16, 512 in fp32) the attention's
-matmuls count as matmul and its softmax as softmax; "attention" is the fused ``scaled_dot_product_attention``
-kernel (forward and backward). MFU = ``gpt.train_flops_per_token`` x
-tokens/s (global, unprofiled steps) over the matmul peak of the compute dtype, measured in this process on all
-its cores before training (bench_vs_lightning's measurement). The profiler itself costs time (each op records an
+With ``attention="manual"`` or ``"blocked"`` (``"auto"``'s choice up to 1,024 tokens in bf16, 512 in fp32) the
+attention's matmuls count as matmul and its softmax as softmax; "attention" is the fused
+``scaled_dot_product_attention`` kernel (forward and backward). MFU = ``gpt.train_flops_per_token`` x tokens/s
+(global, unprofiled steps) over the matmul peak of the compute dtype, measured in this process on all its cores
+before training (bench_vs_lightning's measurement). The profiler itself costs time (each op records an
 event): compare the profiled and unprofiled step times printed above the table.
 
 ``--gemms``: after training, every distinct ``nn.Linear`` shape's three matmuls (forward ``x @ W^T``, input

@@ -56,6 +56,11 @@ RUNS_4 = [
      "span": "auto", "rpn": 2, "links": "slow-inter", "sharding": "auto", "steps": STEPS},
     {"name": "autoworld", "optimizer": "rowwise_adagrad", "dense": "AdamW", "span": "auto", "rpn": 2,
      "links": "latency", "steps": STEPS},
+    # per-sample weights that come from a parameter: their gradient comes back from the rows' owners
+    {"name": "gain", "optimizer": "rowwise_adagrad", "dense": "AdamW", "clip": "backoff", "weights": "trainable",
+     "steps": STEPS},
+    {"name": "gainnode", "optimizer": "rowwise_adam", "dense": "AdamW", "weights": "trainable", "span": "node",
+     "rpn": 2, "steps": STEPS},
 ]
 # one batch per epoch: every resumed step takes the same data, wherever Lightning's loop resumes its epoch
 RESUME = {"optimizer": "rowwise_adagrad", "dense": "AdamW", "steps": 4, "epoch_steps": 1}
@@ -64,6 +69,7 @@ RUNS_2 = [
     {"name": "rwa", "optimizer": "rowwise_adagrad", "dense": "AdamW", "clip": "backoff", "weights": True,
      "steps": STEPS},
     {"name": "own", "optimizer": "rowwise_adagrad", "dense": "AdamW", "steps": 2},
+    {"name": "gainsgd", "optimizer": "sgd", "weights": "trainable", "steps": STEPS},
 ]
 
 
@@ -138,7 +144,8 @@ def assert_matches(folder: Path, name: str, model: Risk, losses: list[float]) ->
 
 
 @pytest.mark.parametrize("world, name", [(4, "sgd"), (4, "rwa"), (4, "adagrad"), (4, "adam"), (4, "node"), (4, "auto"),
-                                         (4, "autoworld"), (2, "sgd"), (2, "rwa")])
+                                         (4, "autoworld"), (4, "gain"), (4, "gainnode"), (2, "sgd"), (2, "rwa"),
+                                         (2, "gainsgd")])
 def test_fit_equals_single_process_reference(fits, world, name):
     cfg = {r["name"]: r for r in (RUNS_4 if world == 4 else RUNS_2)}[name]
     model, losses = reference(cfg, [(world, cfg["steps"])] * cfg["steps"])
@@ -155,28 +162,35 @@ def test_fit_equals_single_process_reference(fits, world, name):
     assert result["val_loss"] == pytest.approx(sum(val) / len(val), rel=1e-10)
 
 
-def test_sgd_equals_plain_embedding_bag_with_torch_sgd(fits):
-    """SGD on the touched rows is SGD on the dense table (untouched rows get a zero gradient)."""
+@pytest.mark.parametrize("world, name", [(4, "sgd"), (2, "gainsgd")])
+def test_sgd_equals_plain_embedding_bag_with_torch_sgd(fits, world, name):
+    """SGD on the touched rows is SGD on the dense table (untouched rows get a zero gradient); per-sample weights
+    from a parameter get the gradient ``nn.EmbeddingBag`` gives them."""
+    trainable = name == "gainsgd"
     torch.manual_seed(0)
-    model = Risk("sgd")
+    model = Risk("sgd", weighted="trainable" if trainable else False)
     plains = [nn.EmbeddingBag(t.num_embeddings, t.embedding_dim, mode="sum", dtype=torch.float64)
               for t in (model.emb, *model.smalls)]
     for plain, t in zip(plains, (model.emb, *model.smalls)):
         plain.weight.data.copy_(t.weight.data)
     head = model.head
-    opt = torch.optim.SGD([*(p.weight for p in plains), *head.parameters()], lr=0.5)
-    data = dataset(4 * BATCH * STEPS)
+    gain = [model.gain] if trainable else []
+    opt = torch.optim.SGD([*(p.weight for p in plains), *head.parameters(), *gain], lr=0.5)
+    data = dataset(world * BATCH * STEPS)
     for k in range(STEPS):
-        ids, _, labels = data[k * 4 * BATCH:(k + 1) * 4 * BATCH]
-        pooled = plains[0](ids) + sum(p(ids % n) for p, n in zip(plains[1:], SMALL))
+        ids, weights, labels = data[k * world * BATCH:(k + 1) * world * BATCH]
+        first = plains[0](ids, per_sample_weights=weights * model.gain) if trainable else plains[0](ids)
+        pooled = first + sum(p(ids % n) for p, n in zip(plains[1:], SMALL))
         loss = F.binary_cross_entropy_with_logits(head(pooled).squeeze(1), labels)
         opt.zero_grad()
         loss.backward()
         opt.step()
-    _, ckpt = load(fits[4], "sgd")
-    for name, plain in zip(("emb", "smalls.0", "smalls.1"), plains):
-        torch.testing.assert_close(ckpt["state_dict"][f"{name}.weight"], plain.weight.detach(), rtol=1e-10,
+    _, ckpt = load(fits[world], name)
+    for key, plain in zip(("emb", "smalls.0", "smalls.1"), plains):
+        torch.testing.assert_close(ckpt["state_dict"][f"{key}.weight"], plain.weight.detach(), rtol=1e-10,
                                    atol=1e-12)
+    if trainable:
+        torch.testing.assert_close(ckpt["state_dict"]["gain"], model.gain.detach(), rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("name, first", [("from4", 4), ("from2", 2), ("fromnode", 4)])
@@ -208,6 +222,17 @@ def test_module_equals_embedding_bag_forward_and_gradient():
         ours(ids, offsets).pow(2).sum().backward()
         plain(ids, offsets).pow(2).sum().backward()
         torch.testing.assert_close(ours.weight.grad.to_dense(), plain.weight.grad)
+    # per-sample weights that need a gradient get nn.EmbeddingBag's
+    ours, plain = (ShardedEmbeddingBag(20, 3, dtype=torch.float64), nn.EmbeddingBag(20, 3, mode="sum",
+                                                                                     dtype=torch.float64))
+    plain.weight.data.copy_(ours.weight.data)
+    w = torch.rand(6, dtype=torch.float64, requires_grad=True)
+    grads = []
+    for bag in (ours, plain):
+        w.grad = None
+        bag(ids, offsets, per_sample_weights=w).pow(2).sum().backward()
+        grads.append(w.grad.clone())
+    torch.testing.assert_close(grads[0], grads[1])
     w = torch.rand(6, dtype=torch.float64)
     torch.testing.assert_close(ours.__class__(20, 3, dtype=torch.float64).to(torch.float64)(ids, offsets, w).shape,
                                torch.Size([4, 3]))

@@ -109,6 +109,8 @@ class ShardedEmbeddingBag(nn.Module):
         self._pending: Optional[tuple[Tensor, Tensor]] = None  # (rows, their gradient), taken before the step
         #: bytes this rank has sent for lookups (ids, partial sums and, where autograd records, their gradients)
         self.sent_bytes = 0
+        #: seconds and messages of those exchanges (and of span="node"'s gradient sums)
+        self.meter = exchange.Meter()
         self._register_load_state_dict_pre_hook(self._keep_own_rows)
 
     # ------------------------------------------------------------------ placement
@@ -231,22 +233,27 @@ class ShardedEmbeddingBag(nn.Module):
         send = torch.bincount(owner, minlength=self.world)
         # what each peer sends here: its ids' count and its batch's bags
         counts = torch.stack([send, torch.full_like(send, bags)], dim=1)
-        got = exchange.swap_counts(counts, self.group, self.rank)
+        got = exchange.swap_counts(counts, self.group, self.rank, self.meter)
         send_n, recv_n, peer_bags = send.tolist(), got[:, 0].tolist(), got[:, 1].tolist()
         columns = [(ids - starts[owner])[order], bag[order]]
+        routed = [exchange.swap_blocks(c, send_n, recv_n, self.group, self.rank, self.meter) for c in columns]
         if weights is not None:
+            # through autograd: weights that come from parameters get their gradient back from the owners
             columns.append(weights[order].to(self.weight.dtype))
-        routed = [exchange.swap_blocks(c, send_n, recv_n, self.group, self.rank) for c in columns]
+            routed.append(exchange.SwapBlocks.apply(columns[-1], send_n, recv_n, self.group, self.rank, self.meter))
         others = [p for p in range(self.world) if p != self.rank]
         row = self.embedding_dim * self.weight.element_size()
-        sums = sum(peer_bags[p] for p in others) * row + (len(others) * bags * row if torch.is_grad_enabled() else 0)
+        grads = torch.is_grad_enabled()
+        sums = sum(peer_bags[p] for p in others) * row + (len(others) * bags * row if grads else 0)
+        weight_grads = (sum(recv_n[p] for p in others) * columns[-1].element_size()
+                        if weights is not None and grads and columns[-1].requires_grad else 0)
         self.sent_bytes += (counts[others].numel() * 8 + sum(send_n[p] for p in others)
-                            * sum(c.element_size() for c in columns) + sums)
+                            * sum(c.element_size() for c in columns) + sums + weight_grads)
         # the bags of peer p's batch are numbered after those of peers 0..p-1 here
         base = torch.repeat_interleave(torch.tensor([0] + peer_bags[:-1]).cumsum(0), torch.tensor(recv_n))
         partial = _pool(self.weight, routed[0], routed[1] + base, sum(peer_bags), routed[2] if weights is not None
                         else None)
-        back = exchange.SwapBlocks.apply(partial, peer_bags, [bags] * self.world, self.group, self.rank)
+        back = exchange.SwapBlocks.apply(partial, peer_bags, [bags] * self.world, self.group, self.rank, self.meter)
         return back.view(self.world, bags, -1).sum(0)
 
     # ------------------------------------------------------------------ the step (called by HorizonStrategy)
@@ -265,7 +272,8 @@ class ShardedEmbeddingBag(nn.Module):
             rows = grad.abs().sum(1).nonzero().squeeze(1)
             values = grad[rows]
         if self.replicas is not None:
-            rows, values = exchange.sum_rows(rows, values, self.replicas[2], self.replicas[0], self.replicas[1])
+            rows, values = exchange.sum_rows(rows, values, self.replicas[2], self.replicas[0], self.replicas[1],
+                                             self.meter)
             self.sent_bytes += (self.replicas[1] - 1) * rows.numel() * (8 + values.shape[1] * values.element_size())
         self._pending = (rows, values / (self.world * self.copies))
         return True

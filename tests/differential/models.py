@@ -86,11 +86,14 @@ class Zoo(nn.Module):
         if m["tied"]:
             self.head.weight = self.emb.weight  # tied input/output embedding
             self.blocks[1].fc.weight = self.blocks[0].fc.weight  # and two hidden layers
+        if m.get("bag_weights") and hasattr(self, "bag"):
+            self.gain = nn.Parameter(torch.linspace(0.5, 1.5, VOCAB))  # a learned weight per token id, for the bag
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.emb(x)
         if hasattr(self, "bag"):
-            h = h + self.bag(x).unsqueeze(1)  # the sequence's bag of tokens, added at every position
+            weights = self.gain[x] if hasattr(self, "gain") else None
+            h = h + self.bag(x, per_sample_weights=weights).unsqueeze(1)  # the sequence's bag, at every position
         for b in self.blocks:
             h = b(h)
         return self.head(h)

@@ -20,9 +20,12 @@ MODEL_KINDS = ("zoo", "transformer", "boring")  # zoo: ours (tokens, blocks); Li
 #: "bag": a ShardedEmbeddingBag beside the zoo's token embedding (SparseSGD at its parameter group's lr; "ddp" trains
 #: a dense nn.EmbeddingBag in its place, tests/differential/models.py); True spreads it over the world, "node" over
 #: each node's ranks (a copy per node), "auto" lets its first lookup choose (with the example's cost model);
+#: "bag_weights": the bag's per_sample_weights come from a parameter (a learned weight per token id), so their
+#: gradient comes back from the rows' owners;
 #: "compile": the network's blocks (the whole network for the demo models) under torch.compile, a counting backend
 #: that runs dynamo's graphs eagerly (no inductor: the same bits), and the fit must run them
-MODEL_FLAGS = ("tied", "frozen", "never", "sometimes", "batchnorm", "dropout", "groups", "bag", "compile")
+MODEL_FLAGS = ("tied", "frozen", "never", "sometimes", "batchnorm", "dropout", "groups", "bag", "compile",
+               "bag_weights")
 
 #: torch.optim, every class with state a user would pick, each with the variants that change its state or arithmetic
 OPTIMIZERS: dict[str, list[dict]] = {
@@ -137,6 +140,7 @@ def draw(seed: int, world: int) -> dict:
     bag, span = coin(0.25), rng.choice((True, "node", "auto"))  # span="world", "node" (a copy per node), "auto"
     ex["model"]["bag"] = span if bag else False
     ex["model"]["compile"] = coin(0.15)
+    ex["model"]["bag_weights"] = coin(0.5)
     ex = constrain(ex)
     if refusal(ex) is not None and not keep_refused:
         ex = unrefuse(ex)
@@ -302,6 +306,8 @@ def constrain(ex: dict) -> dict:
         ex["outer"], ex["overlap"] = "average", False  # options of the periodic sync
     if m["kind"] != "zoo":
         m["bag"] = False  # the zoo's tokens are its ids
+    if not m["bag"]:
+        m["bag_weights"] = False  # an option of the bag
     if m["bag"]:
         # the table steps with SparseSGD at its group's lr: the same as "ddp"'s dense table under plain SGD
         # (embedding.md); it is the module's first parameter, so in the first optimizer

@@ -5,7 +5,8 @@ launcher re-executes this script for the other ranks). A run is
 
     {"name": ..., "optimizer": "sgd"|"adagrad"|"rowwise_adagrad"|"rowwise_adam", "dense": "SGD"|"AdamW",
      "mode": "sum"|"mean", "clip": null|"backoff"|"trainer-norm", "steps": N, "resume_from": PATH|null,
-     "weights": bool (per_sample_weights), "precision": "64-true"|"bf16-mixed", "epoch_steps": steps per epoch,
+     "weights": false|true|"trainable" (per_sample_weights: the data's, or the data's times a parameter),
+     "precision": "64-true"|"bf16-mixed", "epoch_steps": steps per epoch,
      "span": "auto"|"world"|"node" (every table's), "rpn": ranks per emulated node,
      "links": null|name of LINKS (HorizonStrategy's cost_model: what span="auto" prices the layouts with),
      "sharding": null|HorizonStrategy's sharding= (its profile runs the first step's forward once more)}
@@ -57,7 +58,7 @@ def dataset(samples: int, seed: int = 1) -> TensorDataset:
 
 
 class Risk(L.LightningModule):
-    def __init__(self, optimizer: str = "sgd", dense: str = "SGD", mode: str = "sum", weighted: bool = False,
+    def __init__(self, optimizer: str = "sgd", dense: str = "SGD", mode: str = "sum", weighted: object = False,
                  dtype: torch.dtype = torch.float64, span: str = "world") -> None:
         super().__init__()
         # SGD at the dense optimizer's lr: the run equals plain nn.EmbeddingBag + torch.optim.SGD
@@ -68,11 +69,16 @@ class Risk(L.LightningModule):
                                                          placement="table", span=span) for n in SMALL])
         self.head = nn.Linear(DIM, 1, dtype=dtype)
         self.dense, self.weighted = dense, weighted
+        if weighted == "trainable":  # per-sample weights that get a gradient: the data's, times a gain per position
+            self.gain = nn.Parameter(torch.linspace(0.5, 1.5, BAG, dtype=dtype))
         self.losses: list[float] = []
 
     def loss(self, batch) -> torch.Tensor:
         ids, weights, labels = batch
-        pooled = self.emb(ids, per_sample_weights=weights.to(self.emb.weight.dtype) if self.weighted else None)
+        weights = weights.to(self.emb.weight.dtype)
+        if self.weighted == "trainable":
+            weights = weights * self.gain
+        pooled = self.emb(ids, per_sample_weights=weights if self.weighted else None)
         for n, small in zip(SMALL, self.smalls):
             pooled = pooled + small(ids % n)
         logits = self.head(pooled).squeeze(1)

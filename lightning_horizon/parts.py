@@ -31,7 +31,9 @@ Lifecycle, as HorizonStrategy drives it:
   all of its optimizer steps.
 - ``before_save(model)``: on every rank before a checkpoint is written (collective work such as settling DDP's
   bucket layout happens here, on all ranks alike).
-- ``comm_metrics()``: the last step's communication figures (``strategy.comm_metrics()`` merges every part's).
+- ``comm_metrics()``: the last step's communication figures: what the part itself sent, as ``comm/intra_bytes``,
+  ``comm/inter_bytes`` (or a name of its own), ``comm/seconds``, ``comm/calls`` (``strategy.comm_metrics()`` sums
+  the parts' figures of the same name).
 - ``state_dict()`` / ``load_state_dict(state)``: the part's per-rank state; a part whose ``layout_free`` is True
   gathers a state of every rank's on rank 0 (its ``state_dict`` is collective), which is saved once and handed to
   every rank of any world size.
@@ -300,7 +302,12 @@ class Parts:
             self._unroute = None
 
     def comm_metrics(self) -> dict[str, float]:
-        return {k: v for part in self for k, v in part.comm_metrics().items()}
+        """Every part's figures; a figure two parts report (bytes, seconds, calls of their own traffic) summed."""
+        out: dict[str, float] = {}
+        for part in self:
+            for k, v in part.comm_metrics().items():
+                out[k] = out.get(k, 0.0) + v
+        return out
 
     # ------------------------------------------------------------------ state
 

@@ -69,8 +69,8 @@ Per arm:
   (~300 MiB a rank), which every state pays alike.
 - peak RSS per rank (``VmHWM``, the largest rank), tokens/s (tune.StepTimer / tune.measure: the median step after
   the warm-up; the median over rounds, min-max shown), and the bytes all ranks together sent in the last step
-  (``trainer.strategy.comm_metrics()`` read after that step: replicated ``comm/intra_bytes`` + ``comm/inter_bytes``
-  of its GradientSync, node_sharded ``bytes_intra`` + ``bytes_inter``; fsdp2 has no such count: its bytes are
+  (``trainer.strategy.comm_metrics()`` read after that step: ``comm/intra_bytes`` + ``comm/inter_bytes``, of the
+  GradientSync when replicated, of the owners' gradient path and the weights' broadcasts when node-sharded; fsdp2 has no such count: its bytes are
   computed from its collectives' sizes; DeepSpeed's from the sizes of the collectives ZeRO called in the last step,
   as DeepSpeed's comms logger sees them (its record replaced by ours, sizes only), each turned into what a ring moves
   per rank: all-reduce 2(R-1)/R of the tensor, all-gather R-1 shards, reduce-scatter (R-1)/R, any other (ZeRO-3's
@@ -140,7 +140,7 @@ RING = {"all_reduce": lambda s, n: 2 * (n - 1) / n * s, "all_gather_into_tensor"
         "reduce_scatter_tensor": lambda s, n: (n - 1) / n * s}
 #: comm_metrics() keys (and the foreign arms' computed one) by where the bytes went: intra-node, inter-node, or
 #: one flat world that does not tell
-INTRA, INTER, FLAT = ("intra_bytes", "bytes_intra"), ("inter_bytes", "bytes_inter"), ("computed_bytes",)
+INTRA, INTER, FLAT = ("intra_bytes",), ("inter_bytes",), ("computed_bytes",)
 PRECISIONS = ("32-true", "bf16-true-fp32")
 MIB = 2**20
 SMOKE = dict(n_layer=1, n_head=2, n_embd=64, seq=32, batch=2, warmup=1, steps=1, rounds=1, ranks="2",

@@ -422,7 +422,7 @@ def test_shard_groups_hold_a_kth_of_the_state_per_node_and_send_what_the_model_s
     numel = sum(v.numel() for v in replicated[0]["final"].values())
     fp64 = precision == FP64
     model = at_scale(numel, 8 if fp64 else 2, 0, nodes, rpn, k, sum_bytes=8 if fp64 else 4)["sent"]
-    counted = sum(r["comm"].get("bytes_inter", 0) + r["comm"].get("weights_bytes_inter", 0) for r in sharded) / nodes
+    counted = sum(r["comm"].get("comm/inter_bytes", 0) for r in sharded) / nodes
     assert counted == pytest.approx(model, rel=0.03), (counted, model)
     per_node = [sum(r["state_numel"] for r in sharded[i * rpn : (i + 1) * rpn]) for i in range(nodes)]
     print(name, "optimizer state per node / a whole copy:", [round(x / whole, 3) for x in per_node])
@@ -639,6 +639,18 @@ def assert_same_state(a: dict, b: dict, rtol: float = 0.0, atol: float = 0.0) ->
         for key, value in a[i].items():
             assert torch.allclose(value.double(), b[i][key].double(), rtol=rtol, atol=atol), (i, key, value,
                                                                                                b[i][key])
+
+
+@WAITS_FOR_LAUNCHES
+def test_comm_monitor_logs_the_owners_traffic(vs_ddp):
+    """CommMonitor under node-sharded state logs what every rank sent its owners (and, on 2 nodes, across them)
+    and how long it waited; under Lightning's DDP, which counts nothing, it logs nothing."""
+    for name, inter in (("ns22-adamw", True), ("ns-adagrad", False), ("ns-manual", False)):
+        comm = ok(vs_ddp, name)[0]["comm"]
+        assert comm["comm/intra_bytes"] > 0 and comm["comm/seconds"] > 0 and comm["comm/calls"] > 0, (name, comm)
+        assert (comm["comm/inter_bytes"] > 0) == inter, (name, comm)
+        assert 0 < comm["comm/time_share"] < 1
+    assert ok(vs_ddp, "ddp-adamw")[0]["comm"] == {}
 
 
 @WAITS_FOR_LAUNCHES

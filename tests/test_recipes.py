@@ -433,13 +433,15 @@ def test_monitors_log_their_keys_and_summaries(tmp_path, caplog):
                      text)
 
 
-def test_comm_monitor_is_a_noop_without_accounting(tmp_path, caplog):
+def test_comm_monitor_is_silent_on_one_process(tmp_path, caplog):
+    """One process sends nothing: no figures and no line about them, whatever the strategy."""
     assert find_comm_metrics(object()) is None
-    comm = CommMonitor()
-    with caplog.at_level(logging.INFO):
-        _, m = _fit_monitors(tmp_path, "auto", [comm])
-    assert not [k for k in m if k.startswith("comm/")]
-    assert caplog.text.count("exposes no communication accounting") == 1
+    for strategy in ("auto", HorizonStrategy(threads_per_rank=1)):
+        comm = CommMonitor()
+        with caplog.at_level(logging.INFO):
+            _, m = _fit_monitors(tmp_path, strategy, [comm])
+        assert not [k for k in m if k.startswith("comm/")]
+        assert "CommMonitor" not in caplog.text
 
 
 def test_monitor_arguments_are_checked():
@@ -851,3 +853,13 @@ def test_bench_sync_smoke(cache_dir, capsys, bench_here):
     with pytest.raises(SystemExit):
         bench_sync.main(["--smoke", "--nodes", "1"])
     assert "--nodes 1: allowed is an int >= 2" in capsys.readouterr().err
+
+
+def test_mfu_line_names_one_peak():
+    """A bf16 run's line gives the MFU against the bf16 peak only: a share above 100% of the fp32 peak would read as
+    an error (it stays a logged figure, device/mfu_vs_fp32_peak)."""
+    monitor = ThroughputMFUMonitor()
+    monitor.compute_dtype, monitor.peaks, monitor.available_flops = "bf16", {"fp32": 207e9, "bf16": 443e9}, 443e9
+    monitor.last = {"tokens_per_sec": 4000.0, "flops_per_sec": 266e9, "mfu": 0.60, "mfu_vs_fp32_peak": 1.29}
+    line = monitor.summary()
+    assert "MFU 60% of bf16 peak 443 GFLOP/s" in line and "fp32" not in line and "129" not in line, line

@@ -1,10 +1,11 @@
 """CommMonitor: bytes sent and time spent in gradient communication per step, from the strategy's own accounting.
 
-The monitor measures nothing itself: the collectives (lightning_horizon.collectives) count what each step sent
-per link class and how long it took, and expose it as ``metrics()`` on their comm-hook state. The monitor finds
-that source on ``trainer.strategy`` and logs it, with the share of the step's wall time spent communicating.
-Where the strategy has no such accounting (one process, plain Lightning DDP, a user's own comm hook) the monitor
-says so once and does nothing.
+The monitor measures nothing itself: every gradient path of HorizonStrategy (DDP's comm hooks and the periodic
+cross-node sync in lightning_horizon.collectives, node-sharded state's owners, the sharded embedding tables'
+exchanges) counts what each step sent per link class and how long it waited, and ``strategy.comm_metrics()`` sums
+them. The monitor logs those figures, with the share of the step's wall time spent communicating. Where nothing is
+counted it logs nothing: silently on one process (nothing is sent), with one line on several (a strategy without
+such accounting, e.g. Lightning's own DDP, or a DDP comm hook of your own, whose traffic only you know).
 """
 
 from __future__ import annotations
@@ -25,10 +26,8 @@ _MIB = 2**20
 
 
 def find_comm_metrics(strategy: Any) -> Optional[Callable[[], dict[str, float]]]:
-    """The strategy's per-step communication figures as a ``metrics()`` callable, or None where it keeps none:
-    ``strategy.comm_metrics`` (HorizonStrategy's, when it has a gradient sync; or any strategy's that has one)."""
-    if getattr(strategy, "gradient_sync", True) is None:
-        return None  # HorizonStrategy on one process, or with a comm hook of the user's own
+    """The strategy's per-step communication figures as a ``metrics()`` callable (``strategy.comm_metrics``), or
+    None where it keeps none."""
     direct = getattr(strategy, "comm_metrics", None)
     return direct if callable(direct) else None
 
@@ -59,14 +58,18 @@ class CommMonitor(Callback):
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        # after strategy.setup: the comm hook and its accounting exist from here on
+        # after strategy.setup: the gradient paths and their accounting exist from here on
         self.source = find_comm_metrics(trainer.strategy)
-        if self.source is None and not self._announced:
-            self._announced = True
-            if trainer.global_rank == 0:
-                log.info(f"CommMonitor: {type(trainer.strategy).__name__} (world size {trainer.world_size}) exposes no"
-                         " communication accounting; nothing to log")
+        if self.source is None:
+            self._nothing_to_log(trainer, "exposes no communication accounting")
         self._t_last = time.perf_counter()
+
+    def _nothing_to_log(self, trainer: "pl.Trainer", why: str) -> None:
+        """Say once why nothing is logged; nothing on one process, which sends nothing."""
+        if not self._announced and trainer.global_rank == 0 and trainer.world_size > 1:
+            log.info(f"CommMonitor: {type(trainer.strategy).__name__} (world size {trainer.world_size}) {why};"
+                     " nothing to log")
+        self._announced = True
 
     @override
     def on_validation_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -85,6 +88,11 @@ class CommMonitor(Callback):
         if step % every:
             return
         metrics = {k: float(v) for k, v in self.source().items()}
+        if not metrics:  # nothing of this fit is counted (a DDP comm hook of your own): it will stay so
+            self.source = None
+            self._nothing_to_log(trainer, "counts none of this fit's communication (a DDP comm hook of yours is"
+                                 " not counted)")
+            return
         if "comm/seconds" in metrics and step_seconds > 0:
             metrics["comm/time_share"] = metrics["comm/seconds"] / step_seconds
         self.last = metrics
@@ -101,6 +109,8 @@ class CommMonitor(Callback):
             return "comm: no accounting" if self.source is None else "comm: nothing logged yet"
         parts = [f"comm: {m.get('comm/intra_bytes', 0) / _MIB:.2f} MiB intra-node",
                  f"{m.get('comm/inter_bytes', 0) / _MIB:.2f} MiB inter-node"]
+        if "comm/embedding_bytes" in m:
+            parts.append(f"{m['comm/embedding_bytes'] / _MIB:.2f} MiB embedding lookups")
         if "comm/seconds" in m:
             share = f" ({100 * m['comm/time_share']:.0f}% of the step)" if "comm/time_share" in m else ""
             parts.append(f"{1e3 * m['comm/seconds']:.1f} ms{share}")

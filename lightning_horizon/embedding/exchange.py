@@ -8,6 +8,7 @@ backward: the partial sums' gradients), so it never interleaves with DDP's gradi
 
 from __future__ import annotations
 
+import time
 from typing import Any, Optional
 
 import torch
@@ -15,10 +16,19 @@ import torch.distributed as dist
 from torch import Tensor
 
 
-def swap_blocks(x: Tensor, send: list[int], recv: list[int], group: Any, rank: int) -> Tensor:
+class Meter:
+    """Seconds a table spent in its exchanges and the messages it posted (forward and backward)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.calls = 0
+
+
+def swap_blocks(x: Tensor, send: list[int], recv: list[int], group: Any, rank: int,
+                meter: Optional[Meter] = None) -> Tensor:
     """``x`` cut along dim 0 into ``len(send)`` blocks of ``send[i]`` rows, block ``i`` sent to rank ``i``;
     returns the blocks received, ``recv[i]`` rows from rank ``i``, concatenated in rank order (this rank's own
-    block is copied, not sent)."""
+    block is copied, not sent); ``meter`` counts the time and the messages."""
     x = x.contiguous()
     out = x.new_empty((sum(recv), *x.shape[1:]))
     outs = list(out.split(recv))
@@ -33,40 +43,46 @@ def swap_blocks(x: Tensor, send: list[int], recv: list[int], group: Any, rank: i
         if send[peer]:
             ops.append(dist.P2POp(dist.isend, ins[peer].contiguous(), group=group, group_peer=peer))
     if ops:
+        start = time.perf_counter()
         for work in dist.batch_isend_irecv(ops):
             work.wait()
+        if meter is not None:
+            meter.seconds += time.perf_counter() - start
+            meter.calls += len(ops)
     return out
 
 
-def swap_counts(counts: Tensor, group: Any, rank: int) -> Tensor:
+def swap_counts(counts: Tensor, group: Any, rank: int, meter: Optional[Meter] = None) -> Tensor:
     """Each rank's ``counts`` ``[world, k]`` (row ``i``: what it sends to rank ``i``) swapped: row ``i`` of the
     result is what rank ``i`` sends to this one."""
     ones = [1] * counts.shape[0]
-    return swap_blocks(counts, ones, ones, group, rank)
+    return swap_blocks(counts, ones, ones, group, rank, meter)
 
 
 class SwapBlocks(torch.autograd.Function):
     """:func:`swap_blocks` with its gradient: the received blocks' gradients go back the way they came."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, send: list[int], recv: list[int], group: Any, rank: int) -> Tensor:
-        ctx.route = (send, recv, group, rank)
-        return swap_blocks(x, send, recv, group, rank)
+    def forward(ctx: Any, x: Tensor, send: list[int], recv: list[int], group: Any, rank: int,
+                meter: Optional[Meter] = None) -> Tensor:
+        ctx.route = (send, recv, group, rank, meter)
+        return swap_blocks(x, send, recv, group, rank, meter)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], ...]:
-        send, recv, group, rank = ctx.route
-        return swap_blocks(grad, recv, send, group, rank), None, None, None, None
+        send, recv, group, rank, meter = ctx.route
+        return swap_blocks(grad, recv, send, group, rank, meter), None, None, None, None, None
 
 
-def sum_rows(rows: Tensor, values: Tensor, group: Any, index: int, count: int) -> tuple[Tensor, Tensor]:
+def sum_rows(rows: Tensor, values: Tensor, group: Any, index: int, count: int,
+             meter: Optional[Meter] = None) -> tuple[Tensor, Tensor]:
     """The sum over ``count`` ranks of ``group`` (this one at ``index``) of their sparse row gradients ``(rows,
     values)``: every rank sends its own to every other and adds them all up in rank order, so each gets the same
     rows and the same bits."""
-    sizes = swap_counts(torch.full((count, 1), rows.numel()), group, index)[:, 0].tolist()
+    sizes = swap_counts(torch.full((count, 1), rows.numel()), group, index, meter)[:, 0].tolist()
     every = [rows.numel()] * count
-    rows = swap_blocks(rows.repeat(count), every, sizes, group, index)
-    values = swap_blocks(values.repeat(count, 1), every, sizes, group, index)
+    rows = swap_blocks(rows.repeat(count), every, sizes, group, index, meter)
+    values = swap_blocks(values.repeat(count, 1), every, sizes, group, index, meter)
     unique, inverse = torch.unique(rows, return_inverse=True)
     return unique, values.new_zeros((unique.numel(), values.shape[1])).index_add_(0, inverse, values)
 
@@ -107,4 +123,4 @@ def gather_rows(shard: Tensor, bounds: list[tuple[int, int]], group: Any, rank: 
     return full
 
 
-__all__ = ["SwapBlocks", "gather_rows", "move_rows", "sum_rows", "swap_blocks", "swap_counts"]
+__all__ = ["Meter", "SwapBlocks", "gather_rows", "move_rows", "sum_rows", "swap_blocks", "swap_counts"]

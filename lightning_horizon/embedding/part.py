@@ -61,7 +61,8 @@ class EmbeddingTables(Part):
         self.topology, self.groups, self._probe = topology, groups, links
         self._links: Optional[Any] = None
         self._hooks: list[Any] = []
-        self._reported = 0  # sent bytes counted up to the last comm_metrics
+        self._at_start: Optional[tuple[float, ...]] = None  # the tables' bytes, seconds, messages as a step began
+        self._last = (0.0, 0.0, 0.0)  # the last step's
 
     def place(self, model: nn.Module) -> None:
         """Keep this rank's rows of every table, and keep the tables out of DDP (before it wraps ``model``; with
@@ -142,12 +143,27 @@ class EmbeddingTables(Part):
             return False
         return clip(plugin, self.training_state, optimizer, clip_val, algorithm)
 
+    def _traffic(self) -> tuple[float, ...]:
+        tables = self.tables.values()
+        return (float(sum(t.sent_bytes for t in tables)), sum(t.meter.seconds for t in tables),
+                float(sum(t.meter.calls for t in tables)))
+
+    def before_training_step(self, module: nn.Module, batch: Any, batch_idx: int, step_context: Any) -> None:
+        if self._at_start is None:  # the step's first micro-batch: lookups of an evaluation in between don't count
+            self._at_start = self._traffic()
+
+    def after_optimizer_step(self) -> None:
+        if self._at_start is not None:
+            self._last = tuple(now - before for now, before in zip(self._traffic(), self._at_start))
+            self._at_start = None
+
     def comm_metrics(self) -> dict[str, float]:
-        """The bytes this rank sent for the tables' lookups since the last call (the last step's)."""
-        sent = sum(t.sent_bytes for t in self.tables.values())
-        out = {"comm/embedding_bytes": float(sent - self._reported)}
-        self._reported = sent
-        return out
+        """The last step's bytes this rank sent for the tables' lookups (and their gradients), the seconds and
+        messages of those exchanges (nothing with one process: its tables send nothing)."""
+        if self.groups is None:
+            return {}
+        sent, seconds, calls = self._last
+        return {"comm/embedding_bytes": sent, "comm/seconds": seconds, "comm/calls": calls}
 
     def teardown(self) -> None:
         for handle in self._hooks:

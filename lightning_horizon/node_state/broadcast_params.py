@@ -11,6 +11,7 @@ parameter computed the same update from the same reduced gradient and state, so 
 
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 import torch
@@ -32,10 +33,13 @@ class ParameterBroadcast:
         self._group, self._rank, self._receivers = group, rank, receivers
         self._flat: dict[tuple[int, torch.dtype], Tensor] = {}
         self.bytes_sent = 0.0  # by this rank in the last step
+        self.seconds = 0.0  # in its broadcasts
+        self.calls = 0
 
     @torch.no_grad()
     def send(self) -> None:
-        self.bytes_sent = 0.0
+        self.bytes_sent = self.seconds = 0.0
+        self.calls = 0
         if self._receivers == 0:  # a group of one rank (one rank per node): nobody to send to
             return
         for (src, dtype), params in self._sources:
@@ -45,7 +49,10 @@ class ParameterBroadcast:
             if src == self._rank:
                 torch.cat([p.detach().reshape(-1) for p in params], out=flat)
                 self.bytes_sent += self._receivers * flat.numel() * flat.element_size()
+            start = time.perf_counter()
             dist.broadcast(flat, src=src, group=self._group)
+            self.seconds += time.perf_counter() - start
+            self.calls += 1
             if src != self._rank:
                 off = 0
                 for p in params:
@@ -83,6 +90,14 @@ class BroadcastParameters:
     @property
     def bytes_sent(self) -> float:
         return self._broadcast.bytes_sent
+
+    @property
+    def seconds(self) -> float:
+        return self._broadcast.seconds
+
+    @property
+    def calls(self) -> int:
+        return self._broadcast.calls
 
     def install(self, token: str) -> None:
         with torch.no_grad():

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_horizon.node_state.accounting import state_bytes, table
-from lightning_horizon.node_state.broadcast_params import BroadcastParameters, group_broadcast
+from lightning_horizon.node_state.broadcast_params import BroadcastParameters, ParameterBroadcast, group_broadcast
 from lightning_horizon.node_state.clipping import clip, warn_direct_clipping
 from lightning_horizon.node_state.optimizers import why_not
 from lightning_horizon.node_state.ownership import Bucket, Owners, plan_buckets
@@ -146,15 +146,18 @@ class NodeState(Part):
         self.weights.after_step()
 
     def comm_metrics(self) -> dict[str, float]:
+        """The last step's bytes this rank sent (gradients to their owners, the owners' updates to the node's
+        ranks and to the shard group's other nodes), seconds it waited for them, messages and collectives."""
         r = self.reducer
         if r is None:
             return {}
-        out = {"bytes_intra": r.bytes_intra, "bytes_inter": r.bytes_inter}
-        if isinstance(self.weights, BroadcastParameters):
-            out["weights_bytes_intra"] = self.weights.bytes_sent
-        if self.group_weights is not None:
-            out["weights_bytes_inter"] = self.group_weights.bytes_sent
-        return out
+        intra, inter, seconds, calls = r.bytes_intra, r.bytes_inter, r.seconds, r.calls
+        for sender, inside in ((self.weights, True), (self.group_weights, False)):
+            if isinstance(sender, (BroadcastParameters, ParameterBroadcast)):
+                intra, inter = (intra + sender.bytes_sent, inter) if inside else (intra, inter + sender.bytes_sent)
+                seconds, calls = seconds + sender.seconds, calls + sender.calls
+        return {"comm/intra_bytes": intra, "comm/inter_bytes": inter, "comm/seconds": seconds,
+                "comm/calls": float(calls)}
 
     def state_dict(self) -> dict[str, Any]:
         return {"rounding": self._precision.rounding_state()} if self._precision is not None else {}

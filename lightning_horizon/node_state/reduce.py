@@ -28,6 +28,7 @@ synchronized backward before the step (manual optimization) adds its reduced gra
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections import deque
 from typing import Optional
@@ -63,6 +64,8 @@ class OwnerReduce:
         self._carry: dict[Tensor, Tensor] = {}  # owned parameter -> a reduced gradient set aside for a backward
         self.bytes_intra = 0.0  # sent by this rank in the last synchronized backward
         self.bytes_inter = 0.0
+        self.seconds = 0.0  # waited for its sends, receives and reductions in it
+        self.calls = 0  # point-to-point messages and collectives it issued
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._bucket_of]
         self._slots: dict[tuple[int, torch.dtype], tuple[Tensor, Tensor]] = {}  # (slot, dtype) -> (send, receive)
         self._launched = 0
@@ -86,7 +89,8 @@ class OwnerReduce:
         self._ready = [0] * len(self.buckets)
         self._next = 0
         if sync:
-            self.bytes_intra = self.bytes_inter = 0.0
+            self.bytes_intra = self.bytes_inter = self.seconds = 0.0
+            self.calls = 0
 
     def _on_grad(self, p: Tensor) -> None:
         if not self._armed:
@@ -159,20 +163,26 @@ class OwnerReduce:
             p.grad = None  # the flat copy holds it now; the owner gets the sum back
             off += k
         me, size, reducer = self.topology.local_rank, self.topology.ranks_per_node, self._owners.reducer(b.owner)
+        start = time.perf_counter()
         if reducer != me:
             work = dist.isend(flat, dst=self._base + reducer)
             self.bytes_intra += flat.numel() * flat.element_size()
             self._inflight.append((b, flat, [work], None))
+            self.calls += 1
         else:
             peers = [j for j in range(size) if j != me]
             works = [dist.irecv(received[i], src=self._base + j) for i, j in enumerate(peers)]
             self._inflight.append((b, flat, works, received))
+            self.calls += len(works)
+        self.seconds += time.perf_counter() - start
         while len(self._inflight) > DEPTH:
             self._finish(*self._inflight.popleft())
 
     def _finish(self, b: Bucket, flat: Tensor, works: list, received: Optional[Tensor]) -> None:
+        start = time.perf_counter()
         for w in works:
             w.wait()
+        self.seconds += time.perf_counter() - start
         if received is None:
             return  # sent: this rank keeps nothing of the bucket
         wide = torch.promote_types(flat.dtype, torch.float32)
@@ -180,16 +190,21 @@ class OwnerReduce:
         total.copy_(flat)
         for row in received:  # a fixed order (local ranks ascending, this rank first): the same sum every run
             total.add_(row)  # a bf16 row is added in fp32, without a widened copy
+        start = time.perf_counter()
         if self._peers is not None:  # the shard group spans nodes: the owner takes the group's sum
             owner = self._owners.rank_of(b.owner)
             dist.reduce(total, dst=owner, group=self._peers)
+            self.calls += 1
             if owner != self.topology.rank:
                 self.bytes_inter += total.numel() * total.element_size()
+                self.seconds += time.perf_counter() - start
                 return
         if self._across is not None:
             dist.all_reduce(total, group=self._across)
             g = self._across_size
             self.bytes_inter += 2 * (g - 1) / g * total.numel() * total.element_size()
+            self.calls += 1
+        self.seconds += time.perf_counter() - start
         n = b.numel
         total[:n].div_(self.topology.world_size)
         got = (total[n:] > 0).tolist()  # the flags, read once (not one tensor-to-bool per parameter)

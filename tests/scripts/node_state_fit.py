@@ -50,7 +50,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from lightning_horizon import HorizonPrecision, HorizonStrategy  # noqa: E402
+from lightning_horizon import CommMonitor, HorizonPrecision, HorizonStrategy  # noqa: E402
 
 BATCH = 4
 CLIP_NORM, CLIP_VALUE = 0.05, 0.002  # both below what the gradients reach: every step clips
@@ -149,10 +149,11 @@ def fit(run: dict, out: Path) -> dict:
                  else {})
     folder = out / run["name"]
     steps = run["steps"]
+    comm = CommMonitor(log_every_n_steps=1)
     trainer = L.Trainer(
         accelerator="cpu", devices=run["world"], strategy=strategy_of(run), max_steps=steps, max_epochs=-1,
         logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        callbacks=[ModelCheckpoint(dirpath=folder, filename="end", every_n_train_steps=steps, save_top_k=-1)],
+        callbacks=[ModelCheckpoint(dirpath=folder, filename="end", every_n_train_steps=steps, save_top_k=-1), comm],
         default_root_dir=str(out / "root"), **clip_args, **precision_args(run),
     )
     data = loader(run["world"], run.get("epoch_steps", steps))
@@ -174,6 +175,7 @@ def fit(run: dict, out: Path) -> dict:
         "held": model.held,
         "warnings": [str(w.message) for w in caught],
         "evaluated": evaluated,
+        "comm": comm.last,  # the monitor's figures of the last step
         "error": None,
     }
 

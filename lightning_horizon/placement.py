@@ -11,7 +11,8 @@ from typing import Any
 import torch.distributed as dist
 
 from lightning_horizon import cpu, liveness
-from lightning_horizon.topology import ProcessGroups, Topology, placement_table
+from lightning_horizon.layout.cache import cache_path
+from lightning_horizon.topology import ProcessGroups, Topology, cpulist, placement_table
 
 log = logging.getLogger("lightning_horizon.strategy")
 
@@ -46,7 +47,7 @@ def start(options: Any, world_size: int, rank: int, local_rank: int, ranks_here:
     rows = place(topology, local_rank, ranks_here, options.pin_cores and cpu_here, options.threads_per_rank,
                  options.keep_freed_memory and cpu_here and options.sharding is None)
     if report_here:
-        report(topology, rows, backend, ranks_here)
+        report(topology, rows, backend, ranks_here, options.threads_per_rank)
     return topology, groups, rows
 
 
@@ -72,16 +73,44 @@ def startup_table(topology: Topology, placement: list[dict[str, Any]], backend: 
         f" | ISA {isa.name} (torch {isa.torch_capability}, native bf16: {'yes' if isa.native_bf16 else 'no'})"
         f" | allocator {alloc or 'glibc malloc'}{kept}"
     )
-    table = placement_table(topology, placement, header)
-    return table if alloc is not None else f"{table}\nhint: {cpu.ALLOCATOR_HINT}"
+    return placement_table(topology, placement, header)
 
 
-def report(topology: Topology, placement: list[dict[str, Any]], backend: Any, ranks_here: int) -> None:
-    """Rank 0's log at setup: a warning when ranks share cores, then the startup table."""
+def allocator_hint_due() -> bool:
+    """Whether to print the allocator hint: under glibc's malloc, once per machine (a file beside the layout
+    cache, ``~/.cache/lightning_horizon/allocator-hint-shown``, remembers it was)."""
+    if cpu.allocator() is not None:
+        return False
+    marker = cache_path().parent / "allocator-hint-shown"
+    if marker.exists():
+        return False
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+    except OSError:
+        pass  # an unwritable cache folder: shown again next time
+    return True
+
+
+def report(topology: Topology, placement: list[dict[str, Any]], backend: Any, ranks_here: int,
+           threads_per_rank: Any = None) -> None:
+    """Rank 0's log at setup: a warning when ranks share cores or run more threads than they have cores, then the
+    startup table (and, once per machine, the allocator hint)."""
     if any(r["shared"] for r in placement):
         log.warning(f"HorizonStrategy: {ranks_here} ranks per machine but only {len(cpu.available_cores())} cores:"
                     " ranks share cores round-robin (slower than one core each; fine for tests)")
-    log.info(startup_table(topology, placement, backend))
+    elif over := [r for r in placement if r["threads"] > len(r["cores"])]:
+        r = over[0]
+        given = (f"HorizonStrategy(threads_per_rank={threads_per_rank})" if threads_per_rank is not None
+                 else "HorizonStrategy: torch's thread count (OMP_NUM_THREADS)")
+        fix = ("threads_per_rank=None (one thread per core)" if threads_per_rank is not None
+               else f"OMP_NUM_THREADS={len(r['cores'])} or threads_per_rank={len(r['cores'])}")
+        more = f", {len(over) - 1} more rank(s) alike" if len(over) > 1 else ""
+        log.warning(f"{given}: rank {r['rank']} runs {r['threads']} threads on {len(r['cores'])} cores"
+                    f" ({cpulist(r['cores'])}){more}: threads beyond the cores take turns and slow every step;"
+                    f" use {fix}")
+    table = startup_table(topology, placement, backend)
+    log.info(f"{table}\nhint: {cpu.ALLOCATOR_HINT}" if allocator_hint_due() else table)
 
 
-__all__ = ["all_gather_objects", "destroy_process_group_at_exit", "place", "report", "start", "startup_table"]
+__all__ = ["all_gather_objects", "allocator_hint_due", "destroy_process_group_at_exit", "place", "report", "start", "startup_table"]

@@ -123,3 +123,55 @@ def test_glibc_malloc_keeps_freed_memory_during_fit_only_and_never_under_shardin
         run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                              env={**env, var: value})
         assert "KEPT False" in run.stdout, (var, run.stdout + run.stderr)
+
+
+# ---------------------------------------------------------------------------------------------- startup lines
+
+
+def test_allocator_hint_once_per_machine(tmp_path, monkeypatch):
+    from lightning_horizon import placement
+
+    monkeypatch.setenv("HORIZON_LAYOUT_CACHE", str(tmp_path / "cache" / "layouts.json"))
+    if cpu.allocator() is not None:
+        assert not placement.allocator_hint_due()  # jemalloc or tcmalloc loaded: nothing to hint at
+        return
+    assert [placement.allocator_hint_due() for _ in range(3)] == [True, False, False]
+    assert (tmp_path / "cache" / "allocator-hint-shown").exists()
+
+
+def _rows(threads, cores, shared=False):
+    return [{"rank": r, "node": 0, "local_rank": r, "cores": c, "threads": t, "shared": shared, "host": "h",
+             "pid": 1, "keeps_freed_memory": False} for r, (t, c) in enumerate(zip(threads, cores))]
+
+
+def test_more_threads_than_cores_is_warned_naming_the_option_and_the_cores(caplog, tmp_path, monkeypatch):
+    import logging
+
+    from lightning_horizon import placement
+    from lightning_horizon.topology import Topology
+
+    monkeypatch.setenv("HORIZON_LAYOUT_CACHE", str(tmp_path / "layouts.json"))
+    with caplog.at_level(logging.WARNING, logger="lightning_horizon.strategy"):
+        placement.report(Topology(1, 0, 1), _rows([4], [[0, 1]]), "gloo", 1, threads_per_rank=4)
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "HorizonStrategy(threads_per_rank=4): rank 0 runs 4 threads on 2 cores (0-1)" \
+        in warned[0] and "threads_per_rank=None" in warned[0], warned
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lightning_horizon.strategy"):
+        placement.report(Topology(2, 0, 2), _rows([1, 1], [[0], [1]]), "gloo", 2, threads_per_rank=1)
+        placement.report(Topology(1, 0, 1), _rows([2], [[0, 1]]), "gloo", 1)
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]  # a thread per core: nothing to say
+
+
+def test_the_cache_probe_closes_its_files():
+    import warnings
+
+    from lightning_horizon.layout.rule import l2_per_core
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        l2_per_core()
+        import gc
+
+        gc.collect()
+    assert not [w for w in caught if issubclass(w.category, ResourceWarning)]

@@ -6,7 +6,7 @@ Lightning has no entry point for strategies; a name takes no options on the comm
 default 20-step run prints a throughput/MFU line without anything added to the LightningModule, with its FLOPs
 counted and the count said; the bar shows tok/s as an integer, samples/s for images; the monitors follow
 ``log_every_n_steps``; none of the package's lines lands on the progress bar's line; the precision line is
-printed once per Trainer (not again at validate and test) and the allocator hint is short; the sharder's
+printed once per Trainer (not again at validate and test) and the allocator hint once per machine, short; the sharder's
 fake-to-real fallback reads as expected.
 """
 
@@ -93,7 +93,7 @@ def test_quiet_by_default(output):
     assert sum(s.startswith("HorizonPrecision(mode='bf16-mixed')") for s in _segments(_section(output, "tokens"))) == 1
     assert sum(s.startswith("HorizonPrecision(mode='bf16-mixed')") for s in segments) == 2
     hints = [s for s in segments if s.startswith("hint: ")]
-    assert len(hints) == 3 and all(len(h) <= 100 for h in hints), hints  # once per run (3 fits), short
+    assert len(hints) <= 1 and all(len(h) <= 100 for h in hints), hints  # once per machine, short
     sharded = _section(output, "sharded")
     assert "fake pass failed" not in sharded and "Traceback" not in output
     assert "sharding: profiling a real slice of the batch (expected: " in sharded

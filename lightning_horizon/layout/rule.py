@@ -126,15 +126,19 @@ def l2_per_core(cpu_id: int = 0) -> int:
     """Bytes of L2 per CPU for ``cpu_id`` (sysfs); :data:`DEFAULT_L2` where sysfs does not say."""
     for index in sorted(glob.glob(f"/sys/devices/system/cpu/cpu{cpu_id}/cache/index*")):
         try:
-            level = open(f"{index}/level").read().strip()
-            if level != "2" or open(f"{index}/type").read().strip() == "Instruction":
+            if _read(f"{index}/level") != "2" or _read(f"{index}/type") == "Instruction":
                 continue
-            size = _parse_size(open(f"{index}/size").read())
-            sharing = len(cpu.parse_cpulist(open(f"{index}/shared_cpu_list").read())) or 1
+            size = _parse_size(_read(f"{index}/size"))
+            sharing = len(cpu.parse_cpulist(_read(f"{index}/shared_cpu_list"))) or 1
         except (OSError, ValueError):
             continue
         return max(1, size // sharing)
     return DEFAULT_L2
+
+
+def _read(path: str) -> str:
+    with open(path) as f:  # closed at once: a file left to the garbage collector warns (ResourceWarning)
+        return f.read().strip()
 
 
 def _parse_size(text: str) -> int:

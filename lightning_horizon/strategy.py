@@ -21,6 +21,7 @@ from lightning.pytorch.strategies.strategy import Strategy
 from typing_extensions import override
 
 from lightning_horizon import cpu, fit_parts, heartbeat, liveness, placement
+from lightning_horizon.data_position import DataPositions
 from lightning_horizon.checkpoint_io import AtomicCheckpointIO
 from lightning_horizon.parts import Parts, part
 from lightning_horizon.precision import HorizonPrecision
@@ -113,6 +114,8 @@ class HorizonStrategy(DDPStrategy):
         self.parts: Parts = fit_parts.at_construction()
         #: the checkpoint side (strategy_checkpoint.py): what a save adds, what a load hands back
         self.checkpoints = StrategyCheckpoint(self)
+        #: the training data's position (data_position.py): loaders that resume mid-epoch, into any world size
+        self.data_positions = DataPositions()
         self._reported = False
         self._thread_settings: Optional[cpu.ThreadSettings] = None
         self._sync_backward = True  # False inside block_backward_sync (accumulation micro-batches)
@@ -227,16 +230,30 @@ class HorizonStrategy(DDPStrategy):
 
     @override
     def setup(self, trainer: Any) -> None:
+        self.data_positions.setup_begins()  # a training loader made in here (configure_optimizers) predates the loop
         if self.world_size > 1:
             super().setup(trainer)
         else:
             # one process: the base Strategy's setup, without DDP's wrapper and DDPStrategy's broadcast of states
             Strategy.setup(self, trainer)
+        self.data_positions.setup_ends()
         self.checkpoints.restore_node_weights(self.lightning_module)  # local SGD: this node's, from the checkpoint
         self.parts.connect(trainer, self.lightning_module, self.optimizers)
         fit_parts.at_setup(self, trainer)
         # last: nothing in setup draws from a restored generator (the sanity check runs under isolate_rng)
         self.parts.after_setup()
+
+    # ------------------------------------------------------------------ the training data's position
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        return self.data_positions.process(super().process_dataloader(dataloader),
+                                           getattr(self.lightning_module, "_trainer", None))
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self.data_positions.train_starts(self.lightning_module.trainer)
 
     # ------------------------------------------------------------------ training step, backward and optimizer step
 

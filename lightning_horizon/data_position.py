@@ -1,0 +1,183 @@
+"""The data position: where a fit stands in its epoch's data, kept as training state.
+
+This room owns the training loader's place in its epoch: the sampler that walks DistributedSampler's own global
+order and skips, on resume, the batches the loop already trained on (indices only: no sample is loaded); the
+loader's state, saved and restored through Lightning's stateful-loader protocol (``state_dict`` /
+``load_state_dict`` on the loader, written under the fit loop's ``combined_loader``); the resume into another world
+size with the same global batch; and the case Lightning leaves out, a training loader made while the strategy sets
+up (``trainer.estimated_stepping_batches`` in ``configure_optimizers``, e.g. for OneCycleLR), before the checkpoint
+is read: Lightning would never hand it its state.
+
+How the position is kept. DistributedSampler deals epoch ``e``'s permutation (``seed + e``) so that rank ``r`` of
+``W`` takes ``perm[r::W]``: per-rank batch ``k`` of every rank together is the contiguous block
+``perm[k*G:(k+1)*G]``, ``G = W * batch_size``, the same samples whatever ``W``. The state is therefore global:
+the epoch and the number of batches the loop consumed in it (the loop's batch progress, never a count at the
+sampler or the loader, which DataLoader workers and Lightning's fetcher run ahead of), with the global batch it was
+taken in. A resume with the same global batch, on any world size, skips ``k`` batches of the new layout: the same
+samples, in the same global order. With another global batch the loop still counts ``k`` batches done, so the
+resume continues at sample ``k * G_new`` of the epoch instead of ``k * G_old``; a warning names both.
+
+Under HorizonStrategy with the default ``use_distributed_sampler=True`` Lightning gives every map-style training
+loader a DistributedSampler (with one process too); a user's own plain DistributedSampler is kept the same way. A
+loader that is already stateful (torchdata's ``StatefulDataLoader``, a stateful IterableDataset's loader) keeps its
+own state through the same protocol. Other loaders (a custom sampler or batch sampler, ``use_distributed_sampler=
+False``) are left as they are: Lightning warns that they restart their epoch.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Iterator, Optional
+
+import torch
+from lightning.fabric.utilities.data import _set_sampler_epoch
+from lightning.fabric.utilities.types import _Stateful
+from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities.data import _update_dataloader
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
+
+#: what a loader's state holds (the format's version travels with it)
+VERSION = 1
+
+
+class PositionSampler(DistributedSampler):
+    """DistributedSampler's own order (its ``__iter__``, unchanged), skipping the batches already trained on."""
+
+    def __init__(self, like: DistributedSampler) -> None:
+        super().__init__(like.dataset, num_replicas=like.num_replicas, rank=like.rank, shuffle=like.shuffle,
+                         seed=like.seed, drop_last=like.drop_last)
+        self.epoch = like.epoch
+        self.position: Optional[LoaderPosition] = None
+        #: (epoch, indices of this rank to skip) of a loaded state, for the pass that starts that epoch
+        self._skip: Optional[tuple[int, int]] = None
+
+    def __iter__(self) -> Iterator[int]:
+        epoch, skip = self._skip if self._skip is not None else (None, 0)
+        self._skip = None
+        skip = skip if epoch == self.epoch else 0
+        if self.position is not None:
+            self.position.pass_started()
+        return itertools.islice(super().__iter__(), skip, None)
+
+
+class LoaderPosition:
+    """One training loader's position: its ``state_dict`` / ``load_state_dict`` are the loader's (Lightning's
+    stateful-loader protocol), read from the fit loop's batch progress."""
+
+    def __init__(self, loader: DataLoader, sampler: PositionSampler, trainer: Any) -> None:
+        self.loader, self.sampler, self.trainer = loader, sampler, trainer
+        self.batch_size = loader.batch_size or 1
+        #: the loop's batch index at which the current pass took its first batch (> 0 when a shorter loader of a
+        #: CombinedLoader cycles), and the epoch of that pass
+        self._origin, self._pass_epoch = 0, None
+        self._resumed_origin: Optional[int] = None
+        self._user_generator: Any = None
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size * self.sampler.num_replicas
+
+    def pass_started(self) -> None:
+        """The sampler begins a pass over its epoch: a loaded state's, the epoch's first, or a cycle."""
+        if self._resumed_origin is not None:
+            self._origin, self._resumed_origin = self._resumed_origin, None
+            self.loader.generator = self._user_generator  # the iterator that drew no seed has been made
+        elif self._pass_epoch == self.sampler.epoch:
+            self._origin = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        else:
+            self._origin = 0
+        self._pass_epoch = self.sampler.epoch
+
+    def state_dict(self) -> dict[str, Any]:
+        progress = self.trainer.fit_loop.epoch_loop.batch_progress
+        done = progress.current.processed  # batches whose training step finished: the loop resumes after them
+        state = {"version": VERSION, "epoch": self.sampler.epoch, "batches": done - self._origin,
+                 "loop_batches": done, "global_batch": self.global_batch, "world_size": self.sampler.num_replicas,
+                 "samples": len(self.sampler.dataset)}
+        if progress.is_last_batch:  # the epoch is over: the next one starts at its first batch
+            state.update(epoch=self.sampler.epoch + 1, batches=0, loop_batches=0)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("version") != VERSION:
+            raise ValueError(f"HorizonStrategy: the checkpoint's data position {state!r} is not one this version"
+                             f" reads (version {VERSION})")
+        if state["samples"] != len(self.sampler.dataset):
+            rank_zero_warn(f"HorizonStrategy: the checkpoint's training data held {state['samples']} samples, this"
+                           f" run's {len(self.sampler.dataset)}: the resumed epoch's order is not the saved one")
+        batches = state["batches"]
+        if state["global_batch"] != self.global_batch and batches:
+            rank_zero_warn(
+                f"HorizonStrategy: the checkpoint's global batch was {state['global_batch']} samples"
+                f" ({state['world_size']} ranks), this run's is {self.global_batch}"
+                f" ({self.sampler.num_replicas} ranks x {self.batch_size}): epoch {state['epoch']} continues at"
+                f" sample {batches * self.global_batch} of its order instead of {batches * state['global_batch']}"
+                " (keep devices x batch_size to resume exactly)")
+        self.sampler.epoch = state["epoch"]  # also for a pass that DataLoader workers start before set_epoch
+        self.sampler._skip = (state["epoch"], batches * self.batch_size)
+        self._pass_epoch = None
+        self._resumed_origin = state["loop_batches"] - batches
+        self._user_generator = self.loader.generator
+        if batches and self.loader.generator is None:
+            # Every DataLoader iterator draws its workers' base seed from torch's global generator: the run that
+            # was not interrupted drew it at the epoch's start, before the checkpoint; a mid-epoch resume must not
+            # draw again (the restored generator's next draw is the next step's)
+            self.loader.generator = torch.Generator()
+
+
+def positioned(dataloader: object, trainer: Any) -> object:
+    """The training loader Lightning will iterate: ``dataloader`` with a :class:`PositionSampler` and a position
+    where its sampler is a plain DistributedSampler batched by a plain BatchSampler; otherwise ``dataloader``."""
+    if (trainer is None or not trainer.training or not isinstance(dataloader, DataLoader)
+            or isinstance(dataloader, _Stateful) or type(dataloader.sampler) is not DistributedSampler
+            or (dataloader.batch_sampler is not None and type(dataloader.batch_sampler) is not BatchSampler)):
+        return dataloader
+    sampler = PositionSampler(dataloader.sampler)
+    loader = _update_dataloader(dataloader, sampler, mode=RunningStage.TRAINING)
+    position = LoaderPosition(loader, sampler, trainer)
+    sampler.position = position
+    # the loader is now stateful for Lightning (``isinstance(loader, _Stateful)``): its fit loop saves and restores it
+    loader.state_dict, loader.load_state_dict = position.state_dict, position.load_state_dict
+    return loader
+
+
+class DataPositions:
+    """The strategy's side: it builds the positioned loaders (``process_dataloader``) and, where the training loader
+    was made while the strategy set up (before the checkpoint was read), gives it its saved state at the start of
+    training, as Lightning gives it to a loader made later."""
+
+    def __init__(self) -> None:
+        self._setting_up = False
+        self._made_early = False
+
+    def setup_begins(self) -> None:
+        self._setting_up, self._made_early = True, False
+
+    def setup_ends(self) -> None:
+        self._setting_up = False
+
+    def process(self, dataloader: object, trainer: Any) -> object:
+        if trainer is None or not trainer.training:
+            return dataloader
+        self._made_early = self._made_early or self._setting_up
+        # the epoch the loop resumes, now: DataLoader workers start the sampler's pass when the iterator is made,
+        # before the loop's own set_epoch (a resumed epoch would take epoch 0's order)
+        _set_sampler_epoch(dataloader, trainer.fit_loop.epoch_progress.current.processed)
+        return positioned(dataloader, trainer)
+
+    def train_starts(self, trainer: Any) -> None:
+        """At ``on_train_start`` (the loop restored, its iterator not yet drawn from): a training loader made during
+        setup by a resumed fit gets the checkpoint's loader states through the fit loop's own loading, its epoch,
+        and a fresh iterator (the one made during setup predates both)."""
+        made_early, self._made_early = self._made_early, False
+        loop = trainer.fit_loop
+        if not made_early or trainer.ckpt_path is None or loop._combined_loader is None:
+            return
+        loop._load_combined_loader_states()
+        for dl in loop._combined_loader.flattened:
+            _set_sampler_epoch(dl, loop.epoch_progress.current.processed)
+        iter(loop._data_fetcher)
+
+
+__all__ = ["DataPositions", "LoaderPosition", "PositionSampler", "positioned"]

@@ -26,7 +26,9 @@ False``) are left as they are: Lightning warns that they restart their epoch.
 
 from __future__ import annotations
 
+import functools
 import itertools
+from collections import deque
 from typing import Any, Iterator, Optional
 
 import torch
@@ -142,6 +144,60 @@ def positioned(dataloader: object, trainer: Any) -> object:
     return loader
 
 
+class ConsumedState:
+    """A loader that keeps its own state (torchdata's ``StatefulDataLoader``): its state counts every batch it has
+    yielded, and where the training data's length is unknown (an IterableDataset) Lightning's fetcher takes one
+    batch ahead of the loop, so the state saved would skip that batch on resume. This keeps the loader's state after
+    each batch it yields, and hands Lightning the one after the batches the loop consumed."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+        self._origin = 0  # the loop's batch index of the pass's first batch
+        self._states: deque[tuple[int, Any]] = deque(maxlen=4)  # (batches yielded in the pass, the state after)
+
+    def _processed(self) -> int:
+        return self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
+
+    def wrap(self, loader: Any, iterator: Iterator[Any], state: Any) -> Iterator[Any]:
+        self._origin = self._processed()
+        self._states.clear()
+        self._states.append((0, state(loader)))
+        return self._watch(loader, iterator, state)
+
+    def _watch(self, loader: Any, iterator: Iterator[Any], state: Any) -> Iterator[Any]:
+        for n, batch in enumerate(iterator, 1):
+            self._states.append((n, state(loader)))
+            yield batch
+
+    def state(self, current: Any) -> Any:
+        consumed = self._processed() - self._origin
+        return next((s for n, s in self._states if n == consumed), current)
+
+
+@functools.cache
+def _consumed_class(cls: type) -> type:
+    """``cls`` (a stateful DataLoader class) whose ``state_dict`` is the one after the batches the loop consumed."""
+
+    def __iter__(self: Any) -> Iterator[Any]:
+        # the iterator is made now (a pass starts where it is asked for), its batches are watched as they come
+        return self._horizon_consumed.wrap(self, cls.__iter__(self), cls.state_dict)
+
+    def state_dict(self: Any) -> Any:
+        return self._horizon_consumed.state(cls.state_dict(self))
+
+    return type(cls.__name__, (cls,), {"__iter__": __iter__, "state_dict": state_dict, "__module__": cls.__module__,
+                                       "__qualname__": cls.__qualname__})
+
+
+def consumed(dataloader: object, trainer: Any) -> object:
+    """A stateful training DataLoader of the user's, whose saved state is then the one after the consumed batches."""
+    if isinstance(dataloader, DataLoader) and callable(getattr(type(dataloader), "state_dict", None)):
+        if not hasattr(dataloader, "_horizon_consumed"):
+            dataloader._horizon_consumed = ConsumedState(trainer)
+            dataloader.__class__ = _consumed_class(type(dataloader))
+    return dataloader
+
+
 class DataPositions:
     """The strategy's side: it builds the positioned loaders (``process_dataloader``) and, where the training loader
     was made while the strategy set up (before the checkpoint was read), gives it its saved state at the start of
@@ -164,7 +220,7 @@ class DataPositions:
         # the epoch the loop resumes, now: DataLoader workers start the sampler's pass when the iterator is made,
         # before the loop's own set_epoch (a resumed epoch would take epoch 0's order)
         _set_sampler_epoch(dataloader, trainer.fit_loop.epoch_progress.current.processed)
-        return positioned(dataloader, trainer)
+        return consumed(positioned(dataloader, trainer), trainer)
 
     def train_starts(self, trainer: Any) -> None:
         """At ``on_train_start`` (the loop restored, its iterator not yet drawn from): a training loader made during
@@ -180,4 +236,4 @@ class DataPositions:
         iter(loop._data_fetcher)
 
 
-__all__ = ["DataPositions", "LoaderPosition", "PositionSampler", "positioned"]
+__all__ = ["ConsumedState", "DataPositions", "LoaderPosition", "PositionSampler", "positioned"]

@@ -185,16 +185,17 @@ _KAHAN = {"mode": "bf16-true", "master": "kahan"}
 # name: (processes, ranks per node, samples (-> steps per epoch), kill [rank, step], strategy, non-finite data:
 # {sample: kind} in the dataset, or [[rank, step, kind]] in one rank's batch)
 SCENARIOS = {
-    # int8 + error feedback on 2 nodes x 1, resumed at step 4 (epoch boundary; DDP past its bucket rebuild);
-    # NaN and Inf features in two samples, so several steps of each epoch hold a non-finite batch on some rank
-    "int8": (2, 1, 64, [1, 4], _FULL, {"5": "nan", "40": "inf"}),
-    # local SGD on 2 nodes x 1 (averages after steps 4, 6, 8, ...), resumed at step 7: the nodes differ then
-    "local_sgd": (2, 1, 112, [0, 7], {**_FULL, "compression": None, "sync_every": 2, "sync_warmup_steps": 2}, {}),
+    # int8 + error feedback on 2 nodes x 1, resumed at step 4, mid-epoch (5 steps an epoch; DDP past its bucket
+    # rebuild); NaN and Inf features in two samples, so several steps of each epoch hold a non-finite batch on some rank
+    "int8": (2, 1, 80, [1, 4], _FULL, {"5": "nan", "40": "inf"}),
+    # local SGD on 2 nodes x 1 (averages after steps 4, 6, 8, ...), resumed at step 7: the nodes differ then; mid-epoch
+    # (6 steps an epoch: the second epoch's second batch)
+    "local_sgd": (2, 1, 96, [0, 7], {**_FULL, "compression": None, "sync_every": 2, "sync_warmup_steps": 2}, {}),
     # DiLoCo's outer step with the exchange overlapped: the checkpoint after step 6 holds an exchange in flight
-    # (sent at step 6, applied at step 8)
-    "diloco": (2, 1, 112, [0, 7], {**_FULL, "compression": None, "sync_every": 2, "sync_warmup_steps": 2,
-                                   "outer": "nesterov", "sync_overlap": True}, {}),
-    # int8 on 2 nodes x 2, resumed at step 1: before DDP ever used its rebuilt buckets
+    # (sent at step 6, applied at step 8); mid-epoch as above
+    "diloco": (2, 1, 96, [0, 7], {**_FULL, "compression": None, "sync_every": 2, "sync_warmup_steps": 2,
+                                  "outer": "nesterov", "sync_overlap": True}, {}),
+    # int8 on 2 nodes x 2, resumed at step 1: before DDP ever used its rebuilt buckets (epochs of one step)
     "int8_4": (4, 2, 32, [2, 1], _FULL, [[1, 3, "nan"], [2, 6, "inf"]]),
 }
 
@@ -247,8 +248,10 @@ def test_crashed_run_resumes_bit_identically(restarts, name):
         assert whole["global_step"] == resumed["global_step"] == 12
         assert whole["recompute"] > 0 and resumed["recompute"] > 0  # sharding recomputed activations
         assert w.keys() == r.keys() and all(torch.equal(w[k], r[k]) for k in w), f"rank {rank} differs"
-        # every step after the restart, not only the last: same weights, bit for bit
+        # every step after the restart, not only the last: the same batch of the epoch, the same weights, bit for bit
         assert resumed["rows"] == [row for row in whole["rows"] if row["step"] > step]
+        if name != "int8_4":  # killed mid-epoch: the resume trains on the epoch's next batch
+            assert resumed["rows"][0]["batch"] == step % (SCENARIOS[name][2] // (devices * 8)) > 0
         assert len({row["weights"] for row in resumed["rows"]}) >= 4  # the resumed steps did train
         assert whole["cuts"] == 0 and resumed["cuts"] >= 1  # the restart's first step used the saved layout
         finals.append(w)

@@ -38,8 +38,15 @@ KINDS = {
     "workers": {"workers": 2, "dropout": 0.2},                   # DataLoader workers prefetch ahead of the loop
     "dict": {"loader": "dict"},                                  # CombinedLoader of two; the shorter one cycles
     "onecycle": {"onecycle": True, "max_steps": -1, "max_epochs": 3, "dropout": 0.2},  # loader made in setup
-    **({"torchdata": {"loader": "torchdata", "workers": 2},     # StatefulDataLoader's own state, same protocol
-        } if TORCHDATA else {}),
+    # torchdata's StatefulDataLoader keeps its own state through the same protocol. shuffle=False: Lightning's
+    # DistributedSampler shuffles the training data anyway (shuffle=True would give its DistributedSamplerWrapper
+    # around torchdata's own RandomSampler, whose generator the wrapper hides from torchdata's state)
+    **({"torchdata": {"loader": "torchdata", "workers": 2, "shuffle": False},
+        "torchdata_iterable": {"loader": "torchdata_iterable"},  # Lightning's fetcher takes a batch ahead of it
+        # Lightning restores no loader made in configure_optimizers; the strategy does
+        "torchdata_onecycle": {"loader": "torchdata", "shuffle": False, "onecycle": True, "max_steps": -1,
+                               "max_epochs": 3}}
+       if TORCHDATA else {}),
 }
 F64 = {"precision": "64-true"}
 #: resumes into other world sizes: name -> (devices, ranks per node, per-rank batch, resumed from)

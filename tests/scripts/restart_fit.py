@@ -17,12 +17,12 @@ the smallest peak is installed and the later steps recompute activations (``shar
 recomputes nothing). ``nonfinite`` puts NaN or Inf into samples of the dataset, ``poison`` into one rank's batch
 at one step (for epochs of one step, where a bad sample would spoil every step). ``kill`` SIGKILLs that rank in
 the forward of optimizer step ``step`` (0-based), after the checkpoint of the ``step`` steps before it was
-written; the other ranks then fail in their next collective. Checkpoints are written after every step, and the
-test puts the kill at an epoch boundary: the DataLoader is not resumable mid-epoch (Lightning warns), so a
-mid-epoch resume would replay the epoch's first batches.
+written; the other ranks then fail in their next collective. Checkpoints are written after every step; a kill in the
+middle of an epoch resumes at the epoch's next batch (HorizonStrategy keeps the data position:
+lightning_horizon/data_position.py).
 
-Each run writes, per rank, OUT_DIR/NAME.rank{R}.json (per step: a hash of the weights and whether the rank's
-batch held NaN/Inf; the backoff counters; how many DDP buckets the collectives cut into the checkpoint's layout;
+Each run writes, per rank, OUT_DIR/NAME.rank{R}.json (per step: the batch's index in its epoch, a hash of the
+weights and whether the rank's batch held NaN/Inf; the backoff counters; how many DDP buckets the collectives cut into the checkpoint's layout;
 how many calls the final sharding plan recomputes) and OUT_DIR/NAME.rank{R}.pt (the final parameters, compared
 bit for bit by the test).
 """
@@ -98,7 +98,8 @@ class Classifier(L.LightningModule):
     def on_train_batch_end(self, outputs, batch, batch_idx):  # not in training_step: the sharding profile reruns it
         x = batch[0]
         kind = "nan" if torch.isnan(x).any() else "inf" if torch.isinf(x).any() else None
-        self.rows.append({"step": self.global_step, "nonfinite": kind, "weights": weights_hash(self)})
+        self.rows.append({"step": self.global_step, "batch": batch_idx, "nonfinite": kind,
+                          "weights": weights_hash(self)})
 
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=3e-2, weight_decay=0.01)

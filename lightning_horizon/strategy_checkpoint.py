@@ -106,7 +106,8 @@ class StrategyCheckpoint:
         if saved["world_size"] != s.world_size:
             log.warning(
                 f"HorizonStrategy: checkpoint saved with world size {saved['world_size']}, resuming with"
-                f" {s.world_size}: per-rank state (RNG, collectives, sharding) starts fresh"
+                f" {s.world_size}: per-rank state (RNG, collectives, sharding) starts fresh; the training data"
+                " resumes at its global position"
             )
             s.parts.load_state_dicts(free)
             return checkpoint

@@ -55,10 +55,11 @@ class Cgroup:
         return int((self.path / self.peak_file).read_text())
 
 
-def new_cgroup(prefix: str = "bench", limit: Optional[int] = None) -> Optional[Cgroup]:
+def new_cgroup(prefix: str = "bench", limit: Optional[int] = None, swap: int = 0) -> Optional[Cgroup]:
     """A fresh child of this process's memory cgroup, or None (not root, no writable memory cgroup, or the limit
     cannot be set). ``limit``: bytes of memory for everything in it (v1: ``memory.limit_in_bytes`` and, where swap
-    is accounted, ``memory.memsw.limit_in_bytes``; v2: ``memory.max`` and ``memory.swap.max`` 0)."""
+    is accounted, ``memory.memsw.limit_in_bytes``; v2: ``memory.max`` and ``memory.swap.max``), ``swap`` bytes of
+    swap beyond it (0: none)."""
     if os.geteuid() != 0:
         return None
     v2 = Path("/sys/fs/cgroup/cgroup.controllers").exists()
@@ -80,7 +81,7 @@ def new_cgroup(prefix: str = "bench", limit: Optional[int] = None) -> Optional[C
             continue
         if limit is not None:
             try:
-                _set_limit(group, limit)
+                _set_limit(group, limit, swap)
             except OSError as e:
                 print(f"warning: cannot set a memory limit on {group.path}: {e}", file=sys.stderr)
                 group.path.rmdir()
@@ -89,15 +90,15 @@ def new_cgroup(prefix: str = "bench", limit: Optional[int] = None) -> Optional[C
     return None
 
 
-def _set_limit(group: Cgroup, limit: int) -> None:
+def _set_limit(group: Cgroup, limit: int, swap: int = 0) -> None:
     if group.v2:
         (group.path / "memory.max").write_text(str(limit))
         if (group.path / "memory.swap.max").exists():
-            (group.path / "memory.swap.max").write_text("0")
+            (group.path / "memory.swap.max").write_text(str(swap))
     else:  # memory first: memsw may not go below it
         (group.path / "memory.limit_in_bytes").write_text(str(limit))
         if (group.path / "memory.memsw.limit_in_bytes").exists():
-            (group.path / "memory.memsw.limit_in_bytes").write_text(str(limit))
+            (group.path / "memory.memsw.limit_in_bytes").write_text(str(limit + swap))
     group.limit = limit
 
 
@@ -121,10 +122,11 @@ def cgroup_stats(group: Cgroup) -> dict[str, int]:
 
 
 @contextmanager
-def run_cgroup(env: dict[str, str], prefix: str, limit: Optional[int] = None) -> Iterator[Optional[Cgroup]]:
+def run_cgroup(env: dict[str, str], prefix: str, limit: Optional[int] = None,
+               swap: int = 0) -> Iterator[Optional[Cgroup]]:
     """A fresh cgroup for one worker run (:func:`new_cgroup`), named in the worker's ``env``, removed afterwards;
     None where none can be made."""
-    cg = new_cgroup(prefix, limit)
+    cg = new_cgroup(prefix, limit, swap)
     if cg:
         env[CGROUP_ENV] = str(cg.path)
     try:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_horizon.collectives import CostModel
-from lightning_horizon.embedding import (RowWiseAdagrad, RowWiseAdam, ShardedEmbeddingBag, SparseAdagrad,
+from lightning_horizon.embedding import (RowWiseAdagrad, RowWiseAdam, ShardedEmbeddingBag, SparseAdagrad, SparseSGD,
                                         table_owners, tables_of)
 from lightning_horizon.embedding.span import SpanChoice, Traffic, predict
 from tests.launch import REPO, run_script
@@ -61,6 +62,11 @@ RUNS_4 = [
      "steps": STEPS},
     {"name": "gainnode", "optimizer": "rowwise_adam", "dense": "AdamW", "weights": "trainable", "span": "node",
      "rpn": 2, "steps": STEPS},
+    # the big table's rows on disk (a cache of every row a rank holds here: 10 of 37), a copy per node too
+    {"name": "disk", "optimizer": "rowwise_adagrad", "dense": "AdamW", "clip": "backoff", "disk": 10, "steps": STEPS},
+    {"name": "disknode", "optimizer": "rowwise_adam", "dense": "AdamW", "weights": "trainable", "span": "node",
+     "rpn": 2, "disk": 19, "steps": STEPS},
+    {"name": "diskhalf", "optimizer": "rowwise_adagrad", "dense": "AdamW", "disk": 10, "steps": 2},  # resumed on 2
 ]
 # one batch per epoch: every resumed step takes the same data, wherever Lightning's loop resumes its epoch
 RESUME = {"optimizer": "rowwise_adagrad", "dense": "AdamW", "steps": 4, "epoch_steps": 1}
@@ -70,6 +76,9 @@ RUNS_2 = [
      "steps": STEPS},
     {"name": "own", "optimizer": "rowwise_adagrad", "dense": "AdamW", "steps": 2},
     {"name": "gainsgd", "optimizer": "sgd", "weights": "trainable", "steps": STEPS},
+    # on disk with a cache of 16 of a rank's 19 rows: rows are evicted and read again
+    {"name": "disk", "optimizer": "rowwise_adam", "dense": "AdamW", "clip": "backoff", "weights": "trainable",
+     "disk": 16, "steps": STEPS},
 ]
 
 
@@ -85,7 +94,10 @@ def fits(tmp_path_factory) -> dict[int, Path]:
         if world == 2:  # the 4-rank checkpoint resumes on 2 ranks; the 2-rank one on 2
             runs = runs + [{**RESUME, "name": "from4", "resume_from": str(out[4] / "half.ckpt")},
                            {**RESUME, "name": "from2", "resume_from": str(out[2] / "own.ckpt")},
-                           {**RESUME, "name": "fromnode", "resume_from": str(out[4] / "nodehalf.ckpt")}]
+                           {**RESUME, "name": "fromnode", "resume_from": str(out[4] / "nodehalf.ckpt")},
+                           # on disk, 4 ranks -> 2: into a table in memory and into one on disk
+                           {**RESUME, "name": "fromdisk", "disk": 16, "resume_from": str(out[4] / "diskhalf.ckpt")},
+                           {**RESUME, "name": "diskfrom4", "disk": 16, "resume_from": str(out[4] / "half.ckpt")}]
         cfg = out[world] / "cfg.json"
         cfg.write_text(json.dumps({"world": world, "runs": runs}))
         run_script(FIT, [cfg, out[world]], timeout=300)
@@ -97,7 +109,7 @@ def reference(cfg: dict, blocks: list[tuple[int, int]]) -> tuple[Risk, list[floa
     epoch_steps)`` of each step's data)."""
     torch.manual_seed(0)
     model = Risk(cfg["optimizer"], cfg.get("dense", "SGD"), cfg.get("mode", "sum"), cfg.get("weights", False),
-                 span=cfg.get("span", "world"))
+                 span=cfg.get("span", "world"), seeded=cfg.get("disk") is not None)
     opt = model.configure_optimizers()
     losses = []
     for step, (world, epoch_steps) in enumerate(blocks):
@@ -144,8 +156,8 @@ def assert_matches(folder: Path, name: str, model: Risk, losses: list[float]) ->
 
 
 @pytest.mark.parametrize("world, name", [(4, "sgd"), (4, "rwa"), (4, "adagrad"), (4, "adam"), (4, "node"), (4, "auto"),
-                                         (4, "autoworld"), (4, "gain"), (4, "gainnode"), (2, "sgd"), (2, "rwa"),
-                                         (2, "gainsgd")])
+                                         (4, "autoworld"), (4, "gain"), (4, "gainnode"), (4, "disk"),
+                                         (4, "disknode"), (2, "sgd"), (2, "rwa"), (2, "gainsgd"), (2, "disk")])
 def test_fit_equals_single_process_reference(fits, world, name):
     cfg = {r["name"]: r for r in (RUNS_4 if world == 4 else RUNS_2)}[name]
     model, losses = reference(cfg, [(world, cfg["steps"])] * cfg["steps"])
@@ -193,9 +205,14 @@ def test_sgd_equals_plain_embedding_bag_with_torch_sgd(fits, world, name):
         torch.testing.assert_close(ckpt["state_dict"]["gain"], model.gain.detach(), rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("name, first", [("from4", 4), ("from2", 2), ("fromnode", 4)])
+@pytest.mark.parametrize("name, first", [("from4", 4), ("from2", 2), ("fromnode", 4), ("fromdisk", 4),
+                                         ("diskfrom4", 4)])
 def test_resume_into_another_world_size(fits, name, first):
-    model, losses = reference(RESUME, [(first, 2), (first, 2), (2, 1), (2, 1)])
+    """As if never interrupted, on 2 ranks, from 4 or 2; a table on disk from one on disk or in memory (the
+    in-memory reference is seeded alike)."""
+    # the reference is seeded as the table that wrote the checkpoint (its rows are the ones that count)
+    cfg = {**RESUME, "disk": 16} if name == "fromdisk" else RESUME
+    model, losses = reference(cfg, [(first, 2), (first, 2), (2, 1), (2, 1)])
     assert_matches(fits[2], name, model, losses[2:])
 
 
@@ -288,6 +305,9 @@ def test_rowwise_optimizers_follow_their_definitions():
     ({"mode": "max"}, r"mode='max'\): allowed is one of \('sum', 'mean'\)"),
     ({"optimizer": "adamw"}, r"optimizer='adamw'\): allowed is one of"),
     ({"dtype": torch.bfloat16}, r"dtype=torch.bfloat16\): allowed is one of"),
+    ({"rows_on_disk": "/tmp/t"}, r"rows_on_disk='/tmp/t'\): allowed is a folder together with an init_seed"),
+    ({"rows_on_disk": 3, "init_seed": 1}, r"rows_on_disk=3\): allowed is None or a folder"),
+    ({"cache_rows": 10}, r"cache_rows=10\): allowed is None, or an int >= 1 together with rows_on_disk"),
 ])
 def test_bad_arguments_name_themselves(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -400,3 +420,103 @@ def test_table_wise_tables_go_largest_first_to_the_least_loaded_rank():
     lone = tables["c"]
     lone.place(2, 3, group=None, owner=2)
     assert lone.bounds == [(0, 0), (0, 0), (0, 20)] and lone.weight.shape == (20, 4)
+
+
+# ---------------------------------------------------------------------------------------------- rows on disk
+
+
+def _twins(tmp_path, optimizer, cache_rows, mode="sum", rows=200_000):
+    kw = dict(mode=mode, optimizer=optimizer, init_seed=5, dtype=torch.float64)
+    return (ShardedEmbeddingBag(rows, 4, **kw),
+            ShardedEmbeddingBag(rows, 4, rows_on_disk=tmp_path, cache_rows=cache_rows, **kw))
+
+
+def _train(tables, steps, seed=1, accumulate=2):
+    """The same lookups, backward and sparse steps on each table (``accumulate`` micro-batches a step, weights from
+    a parameter); the pooled outputs of every micro-batch, per table."""
+    g = torch.Generator().manual_seed(seed)
+    gains = [torch.linspace(0.5, 1.5, 5, dtype=torch.float64, requires_grad=True) for _ in tables]
+    outs: list[list[torch.Tensor]] = [[] for _ in tables]
+    rows = tables[0].num_embeddings
+    for _ in range(steps):
+        for _ in range(accumulate):
+            ids = (torch.rand(32, 5, generator=g).pow(4) * rows).long()  # skewed: hot rows and a long tail
+            w = torch.rand(32, 5, generator=g, dtype=torch.float64)
+            for t, gain, out in zip(tables, gains, outs):
+                weights = w * gain if t.mode == "sum" else None
+                pooled = t(ids, per_sample_weights=weights)
+                pooled.pow(2).sum().backward()
+                out.append(pooled.detach())
+        for t in tables:
+            t.take_gradient()
+            t.sparse_step()
+    return outs, gains
+
+
+@pytest.mark.parametrize("optimizer, mode", [("rowwise_adam", "sum"), ("rowwise_adagrad", "mean"),
+                                             ("adagrad", "sum"), (SparseSGD(lr=0.2), "sum")])
+def test_a_table_on_disk_trains_to_the_bits_of_the_table_in_memory(tmp_path, optimizer, mode):
+    """A cache of 600 rows of 200,000 (misses and evictions every step; two micro-batches a step, whose slots stay
+    pinned): every output, every row and every optimizer state equal the table in memory; the per-sample weights'
+    gradients too; the whole table's state dict loads into nn.EmbeddingBag."""
+    mem, disk = _twins(tmp_path, optimizer, cache_rows=600, mode=mode)
+    (a, b), gains = _train([mem, disk], steps=12)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    if mode == "sum":
+        assert torch.equal(gains[0].grad, gains[1].grad)
+    assert disk.disk.misses > 3 * disk.disk.slots and disk.disk.writes > 0  # the cache turned over several times
+    assert 0 < int(disk.disk.created.sum()) < disk.disk.created.numel() or disk.disk.created.numel() <= 4
+    saved = disk.state_dict()["weight"]
+    assert torch.equal(saved, mem.state_dict()["weight"])  # blocks no id reached: drawn as the table in memory has
+    full, ref = disk.full_optimizer_state(), mem.full_optimizer_state()
+    assert full.keys() == ref.keys() and all(torch.equal(full[k], ref[k]) for k in ref)
+    plain = nn.EmbeddingBag(200_000, 4, mode=mode, dtype=torch.float64)
+    plain.load_state_dict({"weight": saved}, strict=True)
+
+
+def test_a_table_on_disk_resumes_from_its_state_into_another_cache(tmp_path):
+    """Saved after 6 steps, loaded into a fresh table on disk with another cache size, 6 more steps: the table in
+    memory that never stopped."""
+    mem, disk = _twins(tmp_path / "a", "rowwise_adam", cache_rows=900)
+    _train([mem, disk], steps=6)
+    weight, state = disk.state_dict(), disk.full_optimizer_state()
+    again = ShardedEmbeddingBag(200_000, 4, optimizer="rowwise_adam", init_seed=5, dtype=torch.float64,
+                                rows_on_disk=tmp_path / "b", cache_rows=500)
+    again.load_state_dict(weight)
+    again.load_full_optimizer_state(state)
+    (a, b), _ = _train([mem, again], steps=6, seed=2)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert torch.equal(again.state_dict()["weight"], mem.state_dict()["weight"])
+
+
+def test_a_cache_too_small_for_a_step_is_refused_naming_cache_rows(tmp_path):
+    from lightning_horizon.embedding.disk import CacheTooSmall
+
+    table = ShardedEmbeddingBag(1000, 4, init_seed=1, rows_on_disk=tmp_path, cache_rows=8)
+    with pytest.raises(CacheTooSmall, match="cache_rows"):
+        table(torch.arange(20).view(2, 10)).sum().backward()
+
+
+def test_a_hashed_table_of_2_30_rows_costs_disk_only_where_ids_reach(tmp_path):
+    """2^30 rows x 16 (64 GiB of rows, 4 GiB of row-wise Adagrad state) addressed by hashed ids: only the blocks
+    the ids reach are drawn and written; the files stay sparse."""
+    table = ShardedEmbeddingBag(2**30, 16, init_seed=3, rows_on_disk=tmp_path, cache_rows=4096)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        ids = torch.randint(0, 2**30, (64, 4), generator=g)
+        table(ids).sum().backward()
+        table.take_gradient()
+        table.sparse_step(lr=0.1)
+    assert table.disk.created.numel() == 2**30 // 65536 and int(table.disk.created.sum()) <= 3 * 64 * 4
+    used = sum(os.stat(f).st_blocks * 512 for f in Path(table.disk.folder).glob("*.bin"))
+    assert used < 3 * 64 * 4 * 65536 * 16 * 4 * 1.1  # the blocks drawn, nothing of the other 2^30 rows
+    assert table.weight.shape == (4096, 16)  # in memory: the cache only
+
+
+def test_bench_embedding_disk_smoke(tmp_path):
+    """recipes/bench_embedding_disk.py --smoke: the memory and disk arms run and report, with the same loss."""
+    out = tmp_path / "out.json"
+    run_script(REPO / "recipes" / "bench_embedding_disk.py", ["--smoke", "--json", out], timeout=240)
+    memory, disk = json.loads(out.read_text())
+    assert (memory["arm"], disk["arm"]) == ("memory", "disk") and memory["steps"] == disk["steps"] == 3
+    assert disk["loss"] == memory["loss"] and 0 < disk["hit_rate"] < 1 and disk["rows_read_per_step"] > 0

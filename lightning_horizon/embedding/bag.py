@@ -26,17 +26,26 @@ Lightning's checkpointing does), and the whole table is on rank 0 only; the othe
 
 from __future__ import annotations
 
+import atexit
+import functools
 import math
+import os
+import shutil
+import tempfile
+import weakref
 from typing import Any, Optional, Union
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from lightning_horizon.checks import check_int, check_one_of, is_int, is_number, require
 from lightning_horizon.embedding import exchange
+from lightning_horizon.embedding.disk import DiskRows
 from lightning_horizon.embedding.sparse_optim import SparseOptimizer, resolve
+from lightning_horizon.memory.probe import node_free_memory
 
 MODES = ("sum", "mean")
 PLACEMENTS = ("rows", "table")
@@ -71,13 +80,21 @@ class ShardedEmbeddingBag(nn.Module):
             more to send across than its touched rows' gradients); ``"auto"`` (default): spread over the world,
             then at the first lookup moved to a copy per node where the measured links and that batch's ids
             predict it cheaper and its rows fit (:mod:`~lightning_horizon.embedding.span`). On one node all three
-            are the same.
+            are the same. A table on disk is not moved: ``"auto"`` keeps it spread over the world.
+        rows_on_disk: a folder: each rank keeps its rows and their optimizer state in memory-mapped files there
+            (:mod:`~lightning_horizon.embedding.disk`), ``cache_rows`` of them in memory, for a table larger than
+            the ranks' memory. Needs ``init_seed`` (a block of rows is drawn the first time an id reaches it).
+            The files are removed when the process ends; the folder stays.
+        cache_rows: with ``rows_on_disk``: the rows (with their optimizer state) each rank keeps in memory;
+            ``None``: a sixteenth of its rows (at least 65,536), at most what a quarter of its share of the node's
+            free memory holds.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, mode: str = "sum",
                  optimizer: Union[str, SparseOptimizer] = "rowwise_adagrad",
                  dtype: Optional[torch.dtype] = None, init_std: float = 1.0,
-                 init_seed: Optional[int] = None, placement: str = "rows", span: str = "auto") -> None:
+                 init_seed: Optional[int] = None, placement: str = "rows", span: str = "auto",
+                 rows_on_disk: Union[None, str, os.PathLike] = None, cache_rows: Optional[int] = None) -> None:
         super().__init__()
         owner = type(self).__name__
         check_int(owner, "num_embeddings", num_embeddings, 1)
@@ -89,9 +106,20 @@ class ShardedEmbeddingBag(nn.Module):
         require(is_number(init_std, 0, include_low=True), owner, "init_std", init_std, "a number >= 0")
         require(init_seed is None or (is_int(init_seed, 0) and init_seed < 2**38), owner, "init_seed", init_seed,
                 "None or an int in [0, 2**38)")
+        require(rows_on_disk is None or isinstance(rows_on_disk, (str, os.PathLike)), owner, "rows_on_disk",
+                rows_on_disk, "None or a folder (str or os.PathLike)")
+        require(rows_on_disk is None or init_seed is not None, owner, "rows_on_disk", rows_on_disk,
+                "a folder together with an init_seed (the rows are drawn where they are first used, never whole)")
+        require(cache_rows is None or (is_int(cache_rows, 1) and rows_on_disk is not None), owner, "cache_rows",
+                cache_rows, "None, or an int >= 1 together with rows_on_disk")
         self.num_embeddings, self.embedding_dim, self.mode = num_embeddings, embedding_dim, mode
         self.optimizer = resolve(optimizer, owner)
         self.init_std, self.init_seed, self.placement, self.span = float(init_std), init_seed, placement, span
+        self.rows_on_disk = None if rows_on_disk is None else os.fspath(rows_on_disk)
+        self.cache_rows = cache_rows
+        #: with rows_on_disk: this rank's rows, their files and their cache (made where the rows are first needed)
+        self.disk: Optional[DiskRows] = None
+        self._pending_files: dict[str, Tensor] = {}  # loaded whole-table tensors, for the files once they exist
         #: span="node" over several nodes: (this node, the nodes, the group of this local rank on every node)
         self.replicas: Optional[tuple[int, int, Any]] = None
         self.owner: Optional[int] = None  # placement="table": the rank that holds the table once placed
@@ -112,6 +140,11 @@ class ShardedEmbeddingBag(nn.Module):
         #: seconds and messages of those exchanges (and of span="node"'s gradient sums)
         self.meter = exchange.Meter()
         self._register_load_state_dict_pre_hook(self._keep_own_rows)
+        #: each backward's sparse gradient of ``weight`` since the last step, copied as it arrives (``weight.grad``
+        #: accumulates as usual): autograd adds them in an order that follows their indices, which a table on disk
+        #: numbers by cache slot; the step sums these in the order they came, the same bits wherever the rows are
+        self._grads: list[tuple[Tensor, Tensor]] = []
+        self.weight.register_hook(functools.partial(_set_aside, weakref.ref(self)))
 
     # ------------------------------------------------------------------ placement
 
@@ -161,6 +194,9 @@ class ShardedEmbeddingBag(nn.Module):
             raise ValueError(f"{type(self).__name__}(placement={self.placement!r}): owner={owner!r}")
         self.rank, self.world, self.group, self.owner, self.replicas = rank, world, group, owner, replicas
         lo, hi = self.rows
+        if self.rows_on_disk is not None:  # nothing drawn yet: the files get the rows where they are first used
+            self._open_disk()
+            return
         # .data keeps the Parameter (the optimizer's reference) and frees the other rows
         self.weight.data = self.weight.data[lo:hi].clone() if self._drawn else self._draw(lo, hi)
         self._drawn = True
@@ -192,9 +228,38 @@ class ShardedEmbeddingBag(nn.Module):
         return out
 
     def _ensure_drawn(self) -> None:
-        if not self._drawn:
+        if self.rows_on_disk is not None:
+            if self.disk is None:
+                self._open_disk()
+        elif not self._drawn:
             self.weight.data = self._draw(*self.rows)
             self._drawn = True
+
+    def _open_disk(self) -> None:
+        """This rank's rows in files of a folder of their own under ``rows_on_disk``; the Parameter holds the
+        cache (the optimizer's reference stays), the optimizer state lives in the cache too."""
+        lo, hi = self.rows
+        os.makedirs(self.rows_on_disk, exist_ok=True)
+        folder = tempfile.mkdtemp(prefix=f"table-rank{self.rank}-", dir=self.rows_on_disk)
+        atexit.register(shutil.rmtree, folder, True)
+        one = self.optimizer.init_state(1, self.embedding_dim, self.weight.dtype)
+        cache = self.cache_rows or default_cache_rows(hi - lo, self.embedding_dim, self.weight.element_size(),
+                                                      sum(v.numel() * v.element_size() for v in one.values()))
+        self.disk = DiskRows(folder, lo, hi, self.embedding_dim, self.weight.dtype,
+                             {k: tuple(v.shape[1:]) for k, v in one.items()}, cache, self._draw, BLOCK)
+        self.weight.data = self.disk.cache["weight"]
+        self.optimizer_state = {k: v for k, v in self.disk.cache.items() if k != "weight"}
+        self._drawn = True
+        pending, self._pending_files = self._pending_files, {}
+        self._load_files(pending)
+
+    def _slots(self, local: Tensor) -> Tensor:
+        """Where this rank's rows ``local`` are in ``weight``: themselves, or on disk their cache slots (read in,
+        and pinned while a gradient will refer to them)."""
+        if self.disk is None:
+            return local
+        rows, inverse = torch.unique(local, return_inverse=True)
+        return self.disk.ensure(rows, pin=torch.is_grad_enabled())[inverse]
 
     # ------------------------------------------------------------------ forward
 
@@ -220,7 +285,7 @@ class ShardedEmbeddingBag(nn.Module):
         if self.world > 1:
             pooled = self._lookup_sharded(ids, bag, bags, per_sample_weights)
         else:
-            pooled = _pool(self.weight, ids, bag, bags, per_sample_weights)
+            pooled = _pool(self.weight, self._slots(ids), bag, bags, per_sample_weights)
         if self.mode == "mean":
             size = torch.bincount(bag, minlength=bags).clamp_(min=1).to(pooled.dtype)
             pooled = pooled / size.unsqueeze(1)
@@ -251,8 +316,8 @@ class ShardedEmbeddingBag(nn.Module):
                             * sum(c.element_size() for c in columns) + sums + weight_grads)
         # the bags of peer p's batch are numbered after those of peers 0..p-1 here
         base = torch.repeat_interleave(torch.tensor([0] + peer_bags[:-1]).cumsum(0), torch.tensor(recv_n))
-        partial = _pool(self.weight, routed[0], routed[1] + base, sum(peer_bags), routed[2] if weights is not None
-                        else None)
+        partial = _pool(self.weight, self._slots(routed[0]), routed[1] + base, sum(peer_bags),
+                        routed[2] if weights is not None else None)
         back = exchange.SwapBlocks.apply(partial, peer_bags, [bags] * self.world, self.group, self.rank, self.meter)
         return back.view(self.world, bags, -1).sum(0)
 
@@ -262,15 +327,24 @@ class ShardedEmbeddingBag(nn.Module):
         """Move the table's gradient (sparse or dense) out of ``weight.grad``, averaged over the ranks as DDP
         averages the others' (under span="node" summed across the nodes first: collective), so that the user's
         optimizer steps no row; True when there is one."""
-        grad, self.weight.grad = self.weight.grad, None
-        if grad is None:
-            return False
-        if grad.is_sparse:
-            grad = grad.coalesce()
-            rows, values = grad.indices()[0], grad.values()
-        else:  # a dense gradient (a user's own F.embedding on .weight): its nonzero rows
-            rows = grad.abs().sum(1).nonzero().squeeze(1)
-            values = grad[rows]
+        parts, self._grads = self._grads, []
+        dense, self.weight.grad = self.weight.grad, None
+        if dense is None or dense.is_sparse:  # the sparse ones are in parts, as they came
+            dense = None
+            if not parts:
+                return False
+        rows = [self._rows_of(index) for index, _ in parts]  # duplicates not yet summed
+        values = [v for _, v in parts]
+        if dense is not None:  # a dense gradient (a user's own F.embedding on .weight): its nonzero rows
+            nonzero = dense.abs().sum(1).nonzero().squeeze(1)
+            rows.append(self._rows_of(nonzero))
+            values.append(dense[nonzero])
+        if self.disk is not None:
+            self.disk.unpin()  # the gradient is in rows now: no slot is referred to
+        grad = torch.sparse_coo_tensor(torch.cat(rows).unsqueeze(0), torch.cat(values),
+                                       (self.rows[1] - self.rows[0], self.embedding_dim),
+                                       check_invariants=False).coalesce()
+        rows, values = grad.indices()[0], grad.values()
         if self.replicas is not None:
             rows, values = exchange.sum_rows(rows, values, self.replicas[2], self.replicas[0], self.replicas[1],
                                              self.meter)
@@ -295,9 +369,16 @@ class ShardedEmbeddingBag(nn.Module):
         if self._pending is not None:
             self._pending[1].clamp_(-clip_val, clip_val)
 
+    def _rows_of(self, index: Tensor) -> Tensor:
+        """This rank's rows at ``index`` of ``weight``: the index itself, or on disk the rows its cache slots
+        hold."""
+        return index if self.disk is None else self.disk.rows_of(index)
+
     def drop_gradient(self) -> None:
         """Forget the taken gradient: the step touches no row."""
         self._pending = None
+        if self.disk is not None:
+            self.disk.unpin()
 
     @torch.no_grad()
     def sparse_step(self, lr: Optional[float] = None) -> None:
@@ -311,12 +392,21 @@ class ShardedEmbeddingBag(nn.Module):
         rows, grad = self._pending
         self._pending = None
         self._ensure_state()
+        if self.disk is not None:  # the rows (with span="node", also those other nodes touched) in the cache
+            slots = self.disk.ensure(rows, pin=False)
+            self.optimizer.step(self.weight.data, self.optimizer_state, slots, grad.to(self.weight.dtype), lr)
+            self.disk.mark_dirty(slots)
+            return
         self.optimizer.step(self.weight.data, self.optimizer_state, rows, grad.to(self.weight.dtype), lr)
 
     # ------------------------------------------------------------------ state
 
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
         self._ensure_drawn()
+        if self.disk is not None:  # the whole table, memory-mapped on rank 0: never in memory at once
+            full = self._gather_file("weight") if self.replicas is None or self.replicas[0] == 0 else None
+            destination[prefix + "weight"] = full if full is not None else self.weight.detach()
+            return
         if self.world == 1 or (self.replicas is not None and self.replicas[0] > 0):  # whole here, or node 0's
             return super()._save_to_state_dict(destination, prefix, keep_vars)
         full = exchange.gather_rows(self.weight.detach(), self.bounds, self.group, self.rank)
@@ -324,6 +414,10 @@ class ShardedEmbeddingBag(nn.Module):
 
     def _keep_own_rows(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         weight = state_dict.get(prefix + "weight")
+        if self.rows_on_disk is not None and weight is not None and weight.shape[0] == self.num_embeddings:
+            self._load_files({"weight": weight})  # into the files (now, or where they are made)
+            state_dict[prefix + "weight"] = self.weight.data  # the Parameter is the cache: nothing to copy
+            return
         if weight is not None and not self._drawn:  # the loaded rows replace the drawn ones: none need drawing
             lo, hi = self.rows
             self.weight.data = torch.empty(hi - lo, self.embedding_dim, dtype=self.weight.dtype)
@@ -340,7 +434,7 @@ class ShardedEmbeddingBag(nn.Module):
 
     def optimizer_state_bytes(self) -> int:
         """Bytes the sparse optimizer's state of this rank's rows takes, or will once the first step creates it."""
-        if self.optimizer_state:
+        if self.optimizer_state or self.rows_on_disk is not None:  # on disk: the cache's, allocated at placement
             return 0  # allocated already: resident, not to come
         per_row = self.optimizer.init_state(1, self.embedding_dim, self.weight.dtype)
         return (self.rows[1] - self.rows[0]) * sum(t.numel() * t.element_size() for t in per_row.values())
@@ -350,6 +444,9 @@ class ShardedEmbeddingBag(nn.Module):
         span="node": among node 0's ranks)."""
         if self.replicas is not None and self.replicas[0] > 0:
             return None
+        if self.disk is not None:
+            full = {k: self._gather_file(k) for k in sorted(self.optimizer_state)}
+            return full if self.rank == 0 else None
         if self.world == 1:
             return dict(self.optimizer_state)
         self._ensure_state()  # before the first step: zeros, as the first step makes them
@@ -359,14 +456,59 @@ class ShardedEmbeddingBag(nn.Module):
 
     def load_full_optimizer_state(self, state: dict[str, Tensor]) -> None:
         """Take this rank's rows of a whole table's optimizer state (from any number of ranks)."""
+        if self.rows_on_disk is not None:
+            self._load_files(state)
+            return
         lo, hi = self.rows
         self.optimizer_state = {k: v[lo:hi].clone().to(self.weight.dtype) for k, v in state.items()}
+
+    def _gather_file(self, name: str) -> Optional[Tensor]:
+        """The whole table's ``name`` (its rows or an optimizer state) on rank 0 of the table's group, in a file
+        mapped to memory (never whole in memory), block by block from every rank's files (a block no id reached:
+        drawn, or zeros for a state, as the table in memory holds it); ``None`` elsewhere. Collective."""
+        disk = self.disk
+        assert disk is not None
+        disk.flush()
+        out = None
+        if self.rank == 0:
+            out = disk.scratch(name, self.num_embeddings)
+        for peer, (lo, hi) in enumerate(self.bounds):
+            edges = sorted({lo, hi, *range((lo // BLOCK + 1) * BLOCK, hi, BLOCK)}) if hi > lo else []
+            for a, b in zip(edges, edges[1:]):  # block by block, in the same order on every rank
+                if peer == self.rank:
+                    rows = disk.saved_rows(name, a, b)
+                    if self.rank != 0:
+                        dist.send(rows.contiguous(), group=self.group, group_dst=0)
+                    else:
+                        out[a:b] = rows
+                elif self.rank == 0:
+                    dist.recv(out[a:b], group=self.group, group_src=peer)
+        return out
+
+    def _load_files(self, whole: dict[str, Tensor]) -> None:
+        """This rank's rows of whole-table tensors (the rows, optimizer states) into its files: now where they
+        exist, else once they are made (:meth:`_open_disk`)."""
+        if self.disk is None:
+            self._pending_files.update(whole)
+            return
+        for name, tensor in whole.items():
+            self.disk.load(name, tensor[self.disk.lo:self.disk.hi])
 
     def extra_repr(self) -> str:
         placed = f", rows={self.rows} of {self.world} ranks" if self.placed else ""
         placed = f", placement={self.placement!r}{placed}" if self.placement != "rows" else placed
+        if self.rows_on_disk is not None:
+            placed += f", rows_on_disk={self.rows_on_disk!r}"
         return (f"{self.num_embeddings}, {self.embedding_dim}, mode={self.mode!r},"
                 f" optimizer={self.optimizer}{placed}")
+
+
+def default_cache_rows(rows: int, dim: int, element: int, state_bytes: int) -> int:
+    """The rows of a table on disk a rank keeps in memory when ``cache_rows`` is not given: a sixteenth of its
+    ``rows`` (at least :data:`BLOCK`), at most what a quarter of its share of the node's free memory holds (one row:
+    ``dim`` values of ``element`` bytes and ``state_bytes`` of optimizer state)."""
+    share = node_free_memory() // int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1) // 4
+    return max(1, min(rows, max(BLOCK, rows // 16), share // (dim * element + state_bytes)))
 
 
 def spread(rows: int, ranks: int, owner: Optional[int] = None) -> list[tuple[int, int]]:
@@ -376,6 +518,18 @@ def spread(rows: int, ranks: int, owner: Optional[int] = None) -> list[tuple[int
         return [(0, 0) if r < owner else (0, rows) if r == owner else (rows, rows) for r in range(ranks)]
     per = math.ceil(rows / ranks)
     return [(min(r * per, rows), min((r + 1) * per, rows)) for r in range(ranks)]
+
+
+def _set_aside(table: "weakref.ref[ShardedEmbeddingBag]", grad: Tensor) -> Tensor:
+    """A backward's gradient of the table's ``weight``, before autograd accumulates it: a sparse one is copied to
+    the table's list (a fresh list where ``weight.grad`` was cleared since: ``zero_grad``)."""
+    owner = table()
+    if owner is not None and grad.is_sparse:
+        held = owner.weight.grad
+        if held is None or (held.is_sparse and held._nnz() == 0):
+            owner._grads = []
+        owner._grads.append((grad._indices()[0].clone(), grad._values().clone()))
+    return grad
 
 
 def _bags(input: Tensor, offsets: Optional[Tensor]) -> tuple[Tensor, Tensor, int]:
@@ -400,4 +554,4 @@ def _pool(weight: Tensor, ids: Tensor, bag: Tensor, bags: int, weights: Optional
     return rows.new_zeros((bags, weight.shape[1])).index_add(0, bag, rows)
 
 
-__all__ = ["BLOCK", "MODES", "PLACEMENTS", "SPANS", "ShardedEmbeddingBag", "spread"]
+__all__ = ["BLOCK", "MODES", "PLACEMENTS", "SPANS", "ShardedEmbeddingBag", "default_cache_rows", "spread"]

@@ -75,7 +75,8 @@ class EmbeddingTables(Part):
         if g is None:
             return
         # on one node every span is the world; on several, "auto" starts over the world and may move (span.py)
-        spans = {n: x.span if t.num_nodes > 1 else "world" for n, x in self.tables.items()}
+        spans = {n: x.span if t.num_nodes > 1 and not (x.span == "auto" and x.rows_on_disk is not None) else "world"
+                 for n, x in self.tables.items()}  # a table on disk is not moved: "auto" keeps it spread
         world_owners = table_owners({n: x for n, x in self.tables.items() if spans[n] != "node"}, t.world_size)
         node_owners = table_owners({n: x for n, x in self.tables.items() if spans[n] != "world"}, t.ranks_per_node)
         for name, table in self.tables.items():

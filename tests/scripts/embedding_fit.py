@@ -9,7 +9,8 @@ launcher re-executes this script for the other ranks). A run is
      "precision": "64-true"|"bf16-mixed", "epoch_steps": steps per epoch,
      "span": "auto"|"world"|"node" (every table's), "rpn": ranks per emulated node,
      "links": null|name of LINKS (HorizonStrategy's cost_model: what span="auto" prices the layouts with),
-     "sharding": null|HorizonStrategy's sharding= (its profile runs the first step's forward once more)}
+     "sharding": null|HorizonStrategy's sharding= (its profile runs the first step's forward once more),
+     "disk": null|cache_rows (the big table seeded, its rows on disk under OUT_DIR/tables, that many in memory)}
 
 The model (:class:`Risk`): a row-sharded ShardedEmbeddingBag (ROWS x DIM), two small table-wise ones (SMALL) and a
 Linear head, a BCE loss; the data
@@ -59,11 +60,14 @@ def dataset(samples: int, seed: int = 1) -> TensorDataset:
 
 class Risk(L.LightningModule):
     def __init__(self, optimizer: str = "sgd", dense: str = "SGD", mode: str = "sum", weighted: object = False,
-                 dtype: torch.dtype = torch.float64, span: str = "world") -> None:
+                 dtype: torch.dtype = torch.float64, span: str = "world", seeded: bool = False,
+                 rows_on_disk: object = None, cache_rows: object = None) -> None:
         super().__init__()
         # SGD at the dense optimizer's lr: the run equals plain nn.EmbeddingBag + torch.optim.SGD
         table_opt = SparseSGD(lr=0.5) if optimizer == "sgd" else optimizer
-        self.emb = ShardedEmbeddingBag(ROWS, DIM, mode=mode, optimizer=table_opt, dtype=dtype, span=span)
+        self.emb = ShardedEmbeddingBag(ROWS, DIM, mode=mode, optimizer=table_opt, dtype=dtype, span=span,
+                                       init_seed=3 if seeded else None, rows_on_disk=rows_on_disk,
+                                       cache_rows=cache_rows)
         # two small tables, each whole on one rank (placement="table": ranks 0 and 1), of the ids modulo their size
         self.smalls = nn.ModuleList([ShardedEmbeddingBag(n, DIM, mode=mode, optimizer=table_opt, dtype=dtype,
                                                          placement="table", span=span) for n in SMALL])
@@ -107,8 +111,10 @@ class Risk(L.LightningModule):
 def run(cfg: dict, world: int, out: Path) -> None:
     torch.manual_seed(0)
     dtype = torch.float64 if cfg.get("precision", "64-true") == "64-true" else torch.float32
+    disk = cfg.get("disk")
     model = Risk(cfg["optimizer"], cfg.get("dense", "SGD"), cfg.get("mode", "sum"), cfg.get("weights", False), dtype,
-                 cfg.get("span", "world"))
+                 cfg.get("span", "world"), seeded=disk is not None,
+                 rows_on_disk=str(out / "tables") if disk else None, cache_rows=disk)
     steps = cfg["steps"]
     model.data = dataset(world * BATCH * cfg.get("epoch_steps", steps))
     callbacks = [GradNormBackoff(max_norm=CLIP, spike_threshold=None)] if cfg.get("clip") == "backoff" else []

@@ -121,8 +121,9 @@ def test_ci_examples_draw_every_capability_and_lifecycle_step():
     for dim, values in wanted.items():
         assert values <= {k for k, v in c[dim].items() if v}, (dim, c[dim])
     lifecycle = {k for k, v in c["lifecycle"].items() if v}
-    assert {"checkpoint during fit", "save after fit"} <= lifecycle
+    assert {"checkpoint during fit", "checkpoint mid-epoch", "save after fit"} <= lifecycle
     assert any(k.startswith("resume from during") for k in lifecycle)
+    assert "resume from during (regrid)" in lifecycle  # into another world size, the same global batch
     assert any(k.startswith("resume from after") for k in lifecycle)
     assert {k.split()[0] for k in lifecycle if " from " in k} >= {"resume", "validate", "test", "predict"}
     assert all(c["model flags"][f] for f in ("tied", "frozen", "never", "sometimes", "batchnorm", "groups"))

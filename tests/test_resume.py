@@ -97,8 +97,8 @@ def resumes(tmp_path_factory):
     shutil.rmtree(work, ignore_errors=True)
 
 
-@pytest.mark.parametrize("kind", [
-    pytest.param(kind, marks=pytest.mark.skipif(kind not in RUN, reason="torchdata is not installed")) for kind in KINDS])
+@pytest.mark.parametrize("kind", [pytest.param(kind, marks=pytest.mark.skipif(
+    kind not in RUN, reason="torchdata is not installed")) for kind in KINDS])
 def test_mid_epoch_resume_is_bit_identical(resumes, kind):
     result, _ = resumes
     for rank in range(2):

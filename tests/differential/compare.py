@@ -184,6 +184,12 @@ def normalize(obj: Any, name: str) -> Any:
 
 def comparable_checkpoint(ckpt: dict, name: str, other: dict) -> dict:
     ckpt = {k: v for k, v in ckpt.items() if k != "HorizonStrategy" and (k in other or k not in OWN_KEYS)}
+    fit_loop = ckpt.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
+    if "combined_loader" in fit_loop and "combined_loader" not in other.get("loops", {}).get("fit_loop", {}).get(
+            "state_dict", {}):
+        # HorizonStrategy's data position (data_position.py), which Lightning's "ddp" does not keep
+        ckpt = {**ckpt, "loops": {**ckpt["loops"], "fit_loop": {**ckpt["loops"]["fit_loop"], "state_dict": {
+            k: v for k, v in fit_loop.items() if k != "combined_loader"}}}}
     if "callbacks" in ckpt:
         ckpt["callbacks"] = {k: v for k, v in ckpt["callbacks"].items() if not k.startswith(OWN_CALLBACKS)}
     return normalize(ckpt, name)
@@ -239,6 +245,20 @@ def compare_ranks(d: Diff, prefix: str, a_ex: dict, b_ex: dict, a: list[dict], b
     if sharded:
         d.optimizers(f"{prefix}optimizer", "optimizer (each parameter's state from its owner)", merged_optim(a),
                      merged_optim(b))
+
+
+def compare_regrid(d: Diff, prefix: str, b_ex: dict, a: list[dict], b: list[dict]) -> None:
+    """A fit resumed into another world size with the same global batch against the uninterrupted fit ``b``: every
+    rank's weights, buffers and optimizer state against the whole of ``b``'s (rank 0's; each parameter's from its
+    owner where ``b`` was node-sharded). Losses and validation are each rank's mean over its own slice of the same
+    global batch, another slice at another world size: not compared."""
+    y = b[0]
+    optim = merged_optim(b) if _sharded(b_ex) else y["optim"]
+    for r, x in enumerate(a):
+        d.value(f"{prefix}global_step", f"rank {r} global_step", x["global_step"], y["global_step"])
+        d.named(f"{prefix}weights", f"rank {r} weights", x["weights"], y["weights"], y.get("initial"))
+        d.named(f"{prefix}buffers", f"rank {r} buffers", x["buffers"], y["buffers"])
+        d.optimizers(f"{prefix}optimizer", f"rank {r} optimizer", x["optim"], optim)
 
 
 def ran(d: Diff, role: str, spec: dict, runner: Runner) -> bool:
@@ -318,7 +338,9 @@ def _check(p: Plan, runner: Runner) -> tuple[list[Problem], dict[str, float]]:
         d = Diff(tol, on_update=against == "resumed_ref" and p.resumed_ref["engine"] == "ddp"
                  and ex["compression"] is not None)
         if ran(d, "resumed", p.resumed, runner):
-            if against == "main" and main is not None:
+            if against == "main" and main is not None and p.resumed["world"] != ex["world"]:
+                compare_regrid(d, "resumed:", ex, runner.tensors(p.resumed), main)
+            elif against == "main" and main is not None:
                 compare_ranks(d, "resumed:", p.resumed["ex"], ex, runner.tensors(p.resumed), main, loss_tail=True)
             elif against == "resumed_ref" and p.resumed_ref is not None and ran(d, "resumed_ref", p.resumed_ref,
                                                                                  runner):

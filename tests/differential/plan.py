@@ -10,7 +10,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Optional
 
-from tests.differential.space import EPOCH_STEPS, key, n_optimizers, refusal, resumes_exactly, twin_changes
+from tests.differential.space import (EPOCH_STEPS, ckpt_step, key, n_optimizers, refusal, resumes_exactly,
+                                      twin_changes)
 
 #: what a comparison may differ by, per reference (docs/composition.md, "The differential tester", has the why)
 BITWISE, FLOAT64 = 0.0, 1e-9
@@ -30,7 +31,7 @@ def spec(engine: str, ex: dict, *, steps: Optional[int] = None, resume_from: Opt
 def ckpt_path(run: dict, which: str) -> str:
     """A checkpoint of ``run`` by its place in the lifecycle, relative to the work folder."""
     if which == "during":
-        return f"{run['name']}/ckpt/step={EPOCH_STEPS * n_optimizers(run['ex'])}.ckpt"
+        return f"{run['name']}/ckpt/step={ckpt_step(run['ex']) * n_optimizers(run['ex'])}.ckpt"
     return f"{run['name']}/after.ckpt"
 
 
@@ -44,6 +45,11 @@ def relayout(ex: dict, layout: str) -> dict:
         ex.update(state="replicated", shard_nodes=1)
     elif layout == "ram":
         ex["store"] = None
+    elif layout == "regrid":  # another world size, the same global batch and data (data_position.py)
+        world = ex["resume"]["world"]
+        ex.update(world=world, rpn=ex["resume"]["rpn"], data_world=ex.get("data_world", ex["world"]),
+                  state="replicated", store=None, collectives="flat", torus_shape=None, cost_model=None,
+                  shard_nodes=1, skip_batch=None)
     ex.update(ckpt_during=False, save_after=False, resume=None, eval=None)
     return ex
 
@@ -111,7 +117,7 @@ def plan(ex: dict) -> Plan:
     if resumes_exactly(ex):
         # node_state.md, reliability.md: a resume in the same layout continues bit for bit; a store is RAM's bits;
         # node_sharded -> replicated differs by float64 rounding (the example is float64 then)
-        p.resumed_against = ("main", FLOAT64 if r["layout"] == "replicated" else BITWISE)
+        p.resumed_against = ("main", FLOAT64 if r["layout"] in ("replicated", "regrid") else BITWISE)
         return p
     role = "ddp" if "ddp" in p.refs else "twin"
     ref = p.refs[role]

@@ -1,5 +1,6 @@
 """Run fit specs (tests/differential/plan.py) in few launches: one per world size, many fits each, the world sizes
-in decreasing order (a fit resumed on one rank reads what a 2-rank fit wrote). A fit that ended its launch (an
+in decreasing order (a fit resumed on one rank reads what a 2-rank fit wrote), then the fits resumed into a larger
+world than the one that wrote their checkpoint. A fit that ended its launch (an
 unexpected error on a rank whose peers may be mid-collective) is recorded; the fits after it are launched again."""
 
 from __future__ import annotations
@@ -43,15 +44,18 @@ class Runner:
         return all((self.work / f"{spec['name']}.rank{r}.json").exists() for r in range(spec["world"]))
 
     def run(self, specs: Iterable[dict]) -> None:
-        by_world: dict[int, dict[str, dict]] = {}
-        for s in specs:
-            if s["name"] not in self.done:
+        specs = [s for s in specs if s["name"] not in self.done]
+        # a fit resumed into a larger world than the one that wrote its checkpoint runs after all others
+        later = [s for s in specs if s["resume_from"] and _world_of(s["resume_from"]) < s["world"]]
+        for phase in ([s for s in specs if s not in later], later):
+            by_world: dict[int, dict[str, dict]] = {}
+            for s in phase:
                 by_world.setdefault(s["world"], {}).setdefault(s["name"], s)
-        for world in sorted(by_world, reverse=True):
-            # a resumed fit after the fit that writes its checkpoint
-            pending = sorted(by_world[world].values(), key=lambda s: s["resume_from"] is not None)
-            for i in range(0, len(pending), self.chunk):
-                self._launch_until_done(world, pending[i:i + self.chunk])
+            for world in sorted(by_world, reverse=True):
+                # a resumed fit after the fit that writes its checkpoint
+                pending = sorted(by_world[world].values(), key=lambda s: s["resume_from"] is not None)
+                for i in range(0, len(pending), self.chunk):
+                    self._launch_until_done(world, pending[i:i + self.chunk])
 
     def _launch_until_done(self, world: int, pending: list[dict]) -> None:
         retried: set[str] = set()
@@ -87,3 +91,8 @@ class Runner:
 
 
 __all__ = ["Runner", "SCRIPT"]
+
+
+def _world_of(checkpoint: str) -> int:
+    """The world size of the fit that writes ``checkpoint`` (a path under the fit's folder, named by plan.spec)."""
+    return int(checkpoint.split("/")[0].split("-")[1][1:])

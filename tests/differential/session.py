@@ -16,7 +16,7 @@ from tests.differential.compare import Problem, check, first_error, signature
 from tests.differential.plan import Plan, plan
 from tests.differential.runner import Runner
 from tests.differential.shrink import shrink
-from tests.differential.space import MODEL_FLAGS, refusal, summary
+from tests.differential.space import EPOCH_STEPS, MODEL_FLAGS, ckpt_step, refusal, summary
 
 
 @dataclass
@@ -99,6 +99,7 @@ def coverage(examples: list[dict]) -> dict[str, collections.Counter]:
         c["habits"]["skip a batch"] += ex["skip_batch"] is not None
         c["habits"]["validation"] += ex["validate"]
         c["lifecycle"]["checkpoint during fit"] += ex["ckpt_during"]
+        c["lifecycle"]["checkpoint mid-epoch"] += ex["ckpt_during"] and ckpt_step(ex) % EPOCH_STEPS != 0
         c["lifecycle"]["save after fit"] += ex["save_after"]
         if ex["resume"]:
             c["lifecycle"][f"resume from {ex['resume']['from']} ({ex['resume']['layout']})"] += 1

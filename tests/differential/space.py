@@ -56,7 +56,12 @@ EVAL_KINDS = ("validate", "test", "predict")
 #: where a resumed fit runs: as the fit that wrote the checkpoint, on one rank, replicated (from node_sharded), in RAM
 #: (from a store)
 RESUME_LAYOUTS = ("same", "world1", "replicated", "ram")
-EPOCH_STEPS = 2  # training steps per epoch: the mid-fit checkpoint at step 2 is an epoch boundary (exact resume)
+EPOCH_STEPS = 2  # training steps per epoch: the mid-fit checkpoint at step 2 is an epoch boundary
+#: where the mid-fit checkpoint is written (``ckpt_at``, optimizer steps): the first epoch's end, or in the middle of
+#: the first or second epoch; a resume from it continues at the epoch's next batch (data_position.py)
+CKPT_STEPS = {EPOCH_STEPS: 2, 1: 1, EPOCH_STEPS + 1: 1}
+#: a resume into another world size with the same global batch (``resume["layout"] = "regrid"``): world -> worlds
+REGRID_WORLDS = {1: (2,), 2: (1, 4), 4: (2,)}
 COLLECTIVES = ("flat", "hierarchical", "torus2d", "auto")
 #: torus2d's grids at 2 nodes x 2 (None: rows are nodes, the hierarchical groups; (4, 1): one row across both
 #: nodes; (1, 4): one column of every rank)
@@ -141,6 +146,10 @@ def draw(seed: int, world: int) -> dict:
     ex["model"]["bag"] = span if bag else False
     ex["model"]["compile"] = coin(0.15)
     ex["model"]["bag_weights"] = coin(0.5)
+    ex["ckpt_at"] = _pick(rng, CKPT_STEPS)
+    new_world = rng.choice(REGRID_WORLDS[world])
+    if ex["resume"] is not None and coin(0.3):
+        ex["resume"].update(layout="regrid", world=new_world, rpn=rng.choice({1: [1], 2: [1, 2], 4: [2]}[new_world]))
     ex = constrain(ex)
     if refusal(ex) is not None and not keep_refused:
         ex = unrefuse(ex)
@@ -156,7 +165,7 @@ def simplest(world: int = 1, seed: int = 0) -> dict:
             "ckpt_during": False, "save_after": False, "resume": None, "eval": None, "state": "replicated",
             "store": None, "sharding": None, "collectives": "flat", "bucket_mb": 1.0, "backoff": None,
             "precision": "64-true", "steps": 2, "torus_shape": None, "cost_model": None, "compression": None,
-            "sync_every": 1, "shard_nodes": 1, "outer": "average", "overlap": False}
+            "sync_every": 1, "shard_nodes": 1, "outer": "average", "overlap": False, "ckpt_at": EPOCH_STEPS}
 
 
 def refused_examples() -> list[dict]:
@@ -320,7 +329,45 @@ def constrain(ex: dict) -> dict:
         ex["cost_model"] = None  # the option of collectives="auto" and of a table's span="auto" on several nodes
     elif ex["cost_model"] is None:
         ex["cost_model"] = "slow"  # never the probe: its timings would make the choices
+    return _constrain_position(ex)
+
+
+def _constrain_position(ex: dict) -> dict:
+    """Where the mid-fit checkpoint is and where a resume from it runs (data_position.py)."""
+    m, r = ex["model"], ex["resume"]
+    ex.setdefault("ckpt_at", EPOCH_STEPS)
+    if r is not None and r["layout"] == "regrid":
+        # a resume into another world size with the same global batch ends where the uninterrupted fit ends, within
+        # float64 rounding (reliability.md), where nothing per rank enters the arithmetic: no dropout (per-rank
+        # generators), no batch norm (per-rank batch statistics), no codec or local SGD (per-rank residuals, node
+        # weights), no sharded table; from the mid-fit checkpoint
+        as_regrid = {**ex, "precision": "64-true", "resume": {**r, "from": "during"}}
+        if ex["steps"] < 2 * EPOCH_STEPS or casts_on_load(as_regrid) or loses_plateau_step(as_regrid):
+            r["layout"] = "same"  # no mid-fit checkpoint, or a resume that is not exact at any world size
+            r.pop("world", None), r.pop("rpn", None)
+        else:
+            r.setdefault("rpn", 1)
+            if r["world"] == ex["world"] or r["world"] not in REGRID_WORLDS[ex["world"]] or r["world"] % r["rpn"]:
+                r.update(world=REGRID_WORLDS[ex["world"]][0], rpn=1)
+            r["from"], ex["ckpt_during"] = "during", True
+            ex.update(precision="64-true", compression=None, sync_every=1, outer="average", overlap=False,
+                      skip_batch=None)
+            m.update(dropout=False, batchnorm=False, bag=False, bag_weights=False)
+            if ex["collectives"] != "auto":
+                ex["cost_model"] = None  # the table's span="auto" needed it, the table is gone
+    elif r is not None:
+        r.pop("world", None), r.pop("rpn", None)
+    if not ex["ckpt_during"] or (r is not None and r["from"] == "during" and (
+            r["layout"] == "world1" or resumed_against_ddp(ex))):
+        # one rank with the per-rank batch of several is another global batch; Lightning's "ddp" resumed alike
+        # restarts the epoch's batches: a resume compared with either is from the epoch's end
+        ex["ckpt_at"] = EPOCH_STEPS
     return ex
+
+
+def ckpt_step(ex: dict) -> int:
+    """The optimizer step after which the mid-fit checkpoint is written."""
+    return ex.get("ckpt_at", EPOCH_STEPS)
 
 
 # ------------------------------------------------------------------------------------------------ refusals
@@ -536,8 +583,11 @@ def summary(ex: dict) -> str:
     for flag in ("validate", "ckpt_during", "save_after"):
         if ex[flag]:
             parts.append(flag)
+    if ex["ckpt_during"] and ckpt_step(ex) != EPOCH_STEPS:
+        parts.append(f"ckpt-at-{ckpt_step(ex)}")
     if ex["resume"]:
-        parts.append(f"resume-{ex['resume']['from']}-{ex['resume']['layout']}")
+        parts.append(f"resume-{ex['resume']['from']}-{ex['resume']['layout']}"
+                     + (f"-w{ex['resume']['world']}x{ex['resume']['rpn']}" if "world" in ex["resume"] else ""))
     if ex["eval"]:
         parts.append(f"{ex['eval']['kind']}-from-{ex['eval']['from']}")
     if ex["state"] != "replicated":
@@ -560,6 +610,7 @@ def summary(ex: dict) -> str:
     return " ".join(parts)
 
 
-__all__ = ["COMPRESSIONS", "COST_MODELS", "EPOCH_STEPS", "OPTIMIZERS", "REFUSED", "constrain", "draw", "key",
+__all__ = ["CKPT_STEPS", "COMPRESSIONS", "COST_MODELS", "EPOCH_STEPS", "OPTIMIZERS", "REFUSED", "REGRID_WORLDS",
+           "ckpt_step", "constrain", "draw", "key",
            "loses_plateau_step", "n_optimizers", "needs_unused", "resumes_exactly",
            "refused_examples", "refusal", "simplest", "summary", "twin_changes", "unrefuse"]

@@ -10,9 +10,11 @@ reuse the processes and the process group). A spec is
 ``engine="ddp"`` trains the example with Lightning's own DDPStrategy (GradNormBackoff becomes torch's
 ``clip_grad_norm_`` at the same hook; local SGD, ``sync_every=k > 1``, becomes DDP inside each node, on the node's
 process group, and a callback that averages the parameters across the world after every k-th batch that stepped:
-the definition in docs/collectives.md, written plainly); ``lifecycle`` runs the example's checkpoints (ModelCheckpoint at the first
-epoch's end, ``trainer.save_checkpoint`` after fit) and its evaluation from a checkpoint; ``perturb`` is the planted
-defect of the tester's own test (the learning rate x (1 + 1e-6)).
+the definition in docs/collectives.md, written plainly); ``lifecycle`` runs the example's checkpoints (ModelCheckpoint
+after the example's ``ckpt_at`` steps: the first epoch's end or the middle of an epoch, ``trainer.save_checkpoint``
+after fit) and its evaluation from a checkpoint; ``perturb`` is the planted defect of the tester's own test (the
+learning rate x (1 + 1e-6)). A fit resumed into another world size (``data_world``: the world whose global batch and
+data it keeps) takes the per-rank batch that keeps the global batch.
 
 Each fit writes, per rank, OUT_DIR/NAME.rank{R}.json (status, error, when it was raised, timings) and
 OUT_DIR/NAME.rank{R}.pt (true weights, buffers, every optimizer's state_dict and which parameters this rank owns,
@@ -47,7 +49,8 @@ from lightning_horizon.embedding import tables_of  # noqa: E402
 from lightning_horizon.store import StoreConfig  # noqa: E402
 from tests.differential.models import (BATCH, COMPILED_CALLS, NodeAverage, RefClip, dataset,  # noqa: E402
                                        subject_class)
-from tests.differential.space import COST_MODELS, EPOCH_STEPS, _sharded, n_optimizers, needs_unused  # noqa: E402
+from tests.differential.space import (COST_MODELS, EPOCH_STEPS, _sharded, ckpt_step, n_optimizers,  # noqa: E402
+                                      needs_unused)
 from tests.scripts.composition_fit import Squeeze, sharding_of, true_weights  # noqa: E402
 
 
@@ -167,7 +170,7 @@ def fit(spec: dict, out: Path, seen: dict) -> dict:
     lifecycle = spec["lifecycle"]
     if lifecycle and ex["ckpt_during"]:
         callbacks.append(ModelCheckpoint(dirpath=out / name / "ckpt", filename="{step}", save_top_k=-1,
-                                         every_n_train_steps=EPOCH_STEPS * n_opt, save_last=False))
+                                         every_n_train_steps=ckpt_step(ex) * n_opt, save_last=False))
     backoff = ex["backoff"]
     if backoff is not None and spec["engine"] == "horizon":
         callbacks.append(GradNormBackoff(max_norm=backoff["max_norm"], spike_threshold=None))
@@ -191,8 +194,10 @@ def fit(spec: dict, out: Path, seen: dict) -> dict:
     )
     seen["phase"] = "setup"
     kind = ex["model"]["kind"]
-    samples = ex["world"] * EPOCH_STEPS * ex["accumulate"] * BATCH  # every rank: EPOCH_STEPS steps per epoch
-    train = DataLoader(dataset(kind, samples, 1234), batch_size=BATCH, shuffle=True)
+    # every rank: EPOCH_STEPS steps per epoch; a fit resumed into another world size keeps the global batch and data
+    data_world = ex.get("data_world", ex["world"])
+    samples = data_world * EPOCH_STEPS * ex["accumulate"] * BATCH
+    train = DataLoader(dataset(kind, samples, 1234), batch_size=BATCH * data_world // ex["world"], shuffle=True)
     val = DataLoader(dataset(kind, ex["world"] * 2 * BATCH, 99), batch_size=BATCH)
     resume = str(out / spec["resume_from"]) if spec["resume_from"] else None
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -211,7 +216,7 @@ def fit(spec: dict, out: Path, seen: dict) -> dict:
     if lifecycle and ex["eval"] is not None:
         seen["phase"] = f"{ex['eval']['kind']} from the checkpoint"
         path = out / name / ("after.ckpt" if ex["eval"]["from"] == "after" else
-                             f"ckpt/step={EPOCH_STEPS * n_opt}.ckpt")
+                             f"ckpt/step={ckpt_step(ex) * n_opt}.ckpt")
         model.val_losses, model.eval_out = [], []
         kind_ = ex["eval"]["kind"]
         if kind_ == "validate":

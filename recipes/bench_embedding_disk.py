@@ -1,7 +1,7 @@
 """Benchmark: an embedding table larger than memory, its rows on disk with the hot rows cached, against the same
 table in memory and against the same table in memory on a swap file.
 
-    python recipes/bench_embedding_disk.py                          # root: 79M rows x 16 (5 GiB) under 512 MiB
+    python recipes/bench_embedding_disk.py                          # root: 110M rows x 16 (7 GiB) under 768 MiB
     python recipes/bench_embedding_disk.py --zipf 0.8,1.0,1.2,uniform --steps 30
     python recipes/bench_embedding_disk.py --smoke                  # CI: 300k rows, a few steps, no limit, no swap
 
@@ -189,13 +189,13 @@ def run_arm(a: argparse.Namespace, arm: str, law: str, work: Path) -> dict[str, 
 
 def main(argv: Optional[list[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rows", type=int, default=79_000_000, help="rows of the table (default: 5 GiB with its state)")
+    p.add_argument("--rows", type=int, default=110_000_000, help="rows of the table (default: 7 GiB with its state)")
     p.add_argument("--dim", type=int, default=16)
     p.add_argument("--fields", type=int, default=8, help="id fields per sample")
     p.add_argument("--batch", type=int, default=2048)
     p.add_argument("--zipf", default="1.0", help="comma-separated exponents, or 'uniform'")
     p.add_argument("--cache", type=float, default=0.05, help="the disk arm's cache, a share of the rows")
-    p.add_argument("--limit", default="512m", help="memory limit of the disk and swap arms (0: none)")
+    p.add_argument("--limit", default="768MiB", help="memory limit of the disk and swap arms (0: none)")
     p.add_argument("--arms", default=",".join(ARMS))
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)

@@ -520,3 +520,16 @@ def test_bench_embedding_disk_smoke(tmp_path):
     memory, disk = json.loads(out.read_text())
     assert (memory["arm"], disk["arm"]) == ("memory", "disk") and memory["steps"] == disk["steps"] == 3
     assert disk["loss"] == memory["loss"] and 0 < disk["hit_rate"] < 1 and disk["rows_read_per_step"] > 0
+
+
+def test_a_table_on_disk_larger_than_the_free_disk_is_warned_at_placement(tmp_path, monkeypatch, caplog):
+    import logging
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(2**30, 2**30 - 2**20, 2**20))
+    table = ShardedEmbeddingBag(2**20, 16, init_seed=3, rows_on_disk=tmp_path, cache_rows=1024)
+    with caplog.at_level(logging.WARNING):
+        table(torch.tensor([[1, 2]]))
+    assert "take up to 0.1 GiB there, 0.0 GiB is free" in caplog.text and "a full disk ends the run" in caplog.text

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import logging
 import math
 import os
 import shutil
@@ -51,6 +52,8 @@ MODES = ("sum", "mean")
 PLACEMENTS = ("rows", "table")
 SPANS = ("auto", "world", "node")
 BLOCK = 1 << 16  #: rows per generator of a seeded table (init_seed)
+
+log = logging.getLogger(__name__)
 
 
 class ShardedEmbeddingBag(nn.Module):
@@ -247,6 +250,11 @@ class ShardedEmbeddingBag(nn.Module):
                                                       sum(v.numel() * v.element_size() for v in one.values()))
         self.disk = DiskRows(folder, lo, hi, self.embedding_dim, self.weight.dtype,
                              {k: tuple(v.shape[1:]) for k, v in one.items()}, cache, self._draw, BLOCK)
+        whole, free = (hi - lo) * self.disk.row_bytes, shutil.disk_usage(folder).free
+        if whole > free:  # the files are sparse: they grow as ids reach new blocks; a full disk would end the run
+            log.warning(f"{type(self).__name__}(rows_on_disk={self.rows_on_disk!r}): rank {self.rank}'s rows and"
+                        f" their optimizer state take up to {whole / 2**30:,.1f} GiB there, {free / 2**30:,.1f} GiB"
+                        " is free: the files grow as ids reach new rows, and a full disk ends the run")
         self.weight.data = self.disk.cache["weight"]
         self.optimizer_state = {k: v for k, v in self.disk.cache.items() if k != "weight"}
         self._drawn = True

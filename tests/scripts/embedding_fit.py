@@ -10,7 +10,8 @@ launcher re-executes this script for the other ranks). A run is
      "span": "auto"|"world"|"node" (every table's), "rpn": ranks per emulated node,
      "links": null|name of LINKS (HorizonStrategy's cost_model: what span="auto" prices the layouts with),
      "sharding": null|HorizonStrategy's sharding= (its profile runs the first step's forward once more),
-     "disk": null|cache_rows (the big table seeded, its rows on disk under OUT_DIR/tables, that many in memory)}
+     "disk": null|cache_rows (the tables seeded, their rows on disk under OUT_DIR/tables, that many of the big
+     one's in memory, all of a small one's)}
 
 The model (:class:`Risk`): a row-sharded ShardedEmbeddingBag (ROWS x DIM), two small table-wise ones (SMALL) and a
 Linear head, a BCE loss; the data
@@ -70,7 +71,11 @@ class Risk(L.LightningModule):
                                        cache_rows=cache_rows)
         # two small tables, each whole on one rank (placement="table": ranks 0 and 1), of the ids modulo their size
         self.smalls = nn.ModuleList([ShardedEmbeddingBag(n, DIM, mode=mode, optimizer=table_opt, dtype=dtype,
-                                                         placement="table", span=span) for n in SMALL])
+                                                         placement="table", span=span,
+                                                         init_seed=4 + i if seeded else None,
+                                                         rows_on_disk=rows_on_disk,
+                                                         cache_rows=n if rows_on_disk else None)
+                                     for i, n in enumerate(SMALL)])
         self.head = nn.Linear(DIM, 1, dtype=dtype)
         self.dense, self.weighted = dense, weighted
         if weighted == "trainable":  # per-sample weights that get a gradient: the data's, times a gain per position

@@ -20,8 +20,10 @@ resume continues at sample ``k * G_new`` of the epoch instead of ``k * G_old``; 
 Under HorizonStrategy with the default ``use_distributed_sampler=True`` Lightning gives every map-style training
 loader a DistributedSampler (with one process too); a user's own plain DistributedSampler is kept the same way. A
 loader that is already stateful (torchdata's ``StatefulDataLoader``, a stateful IterableDataset's loader) keeps its
-own state through the same protocol. Other loaders (a custom sampler or batch sampler, ``use_distributed_sampler=
-False``) are left as they are: Lightning warns that they restart their epoch.
+own state through the same protocol. With ``use_distributed_sampler=False`` a RandomSampler or SequentialSampler
+(every rank walks the whole dataset) keeps its order too, the generator state each pass started from saved with the
+position. Other loaders (a custom sampler or batch sampler) are left as they are: Lightning warns that they restart
+their epoch.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections import deque
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Union
 
 import torch
 from lightning.fabric.utilities.data import _set_sampler_epoch
@@ -37,7 +39,7 @@ from lightning.fabric.utilities.types import _Stateful
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.data import _update_dataloader
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, Sampler, SequentialSampler
 
 #: what a loader's state holds (the format's version travels with it)
 VERSION = 1
@@ -63,11 +65,53 @@ class PositionSampler(DistributedSampler):
         return itertools.islice(super().__iter__(), skip, None)
 
 
+class ReplaySampler(Sampler[int]):
+    """A RandomSampler's or SequentialSampler's own order (``use_distributed_sampler=False``: every rank walks the
+    whole dataset), with the generator state each pass started from kept, so that a resume replays the pass and skips
+    the batches already trained on."""
+
+    num_replicas = 1  # every rank's stream is its own: the global batch is the per-rank one
+
+    def __init__(self, like: Sampler) -> None:
+        self.inner, self.dataset, self.epoch = like, like.data_source, 0
+        self.position: Optional[LoaderPosition] = None
+        self._skip: Optional[tuple[int, int]] = None
+        self._replay: Optional[torch.Tensor] = None  # a loaded pass's generator state
+        self.pass_state: Optional[torch.Tensor] = None  # the current pass's
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        epoch, skip = self._skip if self._skip is not None else (None, 0)
+        replay, self._skip, self._replay = self._replay, None, None
+        if epoch != self.epoch:
+            skip, replay = 0, None
+        if self.position is not None:
+            self.position.pass_started()
+        sampler = self.inner
+        if isinstance(sampler, RandomSampler):
+            generator = sampler.generator
+            if generator is None:  # RandomSampler's own draw of the pass's seed from torch's generator
+                generator = torch.Generator()
+                if replay is None:
+                    generator.manual_seed(int(torch.empty((), dtype=torch.int64).random_().item()))
+                sampler = RandomSampler(sampler.data_source, sampler.replacement, sampler._num_samples,
+                                        generator=generator)
+            if replay is not None:
+                generator.set_state(replay)
+            self.pass_state = generator.get_state()
+        return itertools.islice(iter(sampler), skip, None)
+
+
 class LoaderPosition:
     """One training loader's position: its ``state_dict`` / ``load_state_dict`` are the loader's (Lightning's
     stateful-loader protocol), read from the fit loop's batch progress."""
 
-    def __init__(self, loader: DataLoader, sampler: PositionSampler, trainer: Any) -> None:
+    def __init__(self, loader: DataLoader, sampler: Union[PositionSampler, ReplaySampler], trainer: Any) -> None:
         self.loader, self.sampler, self.trainer = loader, sampler, trainer
         self.batch_size = loader.batch_size or 1
         #: the loop's batch index at which the current pass took its first batch (> 0 when a shorter loader of a
@@ -99,6 +143,8 @@ class LoaderPosition:
                  "samples": len(self.sampler.dataset)}
         if progress.is_last_batch:  # the epoch is over: the next one starts at its first batch
             state.update(epoch=self.sampler.epoch + 1, batches=0, loop_batches=0)
+        elif getattr(self.sampler, "pass_state", None) is not None:
+            state["generator"] = self.sampler.pass_state  # a RandomSampler's pass, replayed on resume
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -118,6 +164,8 @@ class LoaderPosition:
                 " (keep devices x batch_size to resume exactly)")
         self.sampler.epoch = state["epoch"]  # also for a pass that DataLoader workers start before set_epoch
         self.sampler._skip = (state["epoch"], batches * self.batch_size)
+        if "generator" in state:
+            self.sampler._replay = state["generator"]
         self._pass_epoch = None
         self._resumed_origin = state["loop_batches"] - batches
         self._user_generator = self.loader.generator
@@ -128,14 +176,20 @@ class LoaderPosition:
             self.loader.generator = torch.Generator()
 
 
+#: the samplers whose order this room keeps: Lightning's (or a user's) DistributedSampler, and with
+#: ``use_distributed_sampler=False`` a RandomSampler or SequentialSampler
+SAMPLERS: dict[type, type] = {DistributedSampler: PositionSampler, RandomSampler: ReplaySampler,
+                              SequentialSampler: ReplaySampler}
+
+
 def positioned(dataloader: object, trainer: Any) -> object:
     """The training loader Lightning will iterate: ``dataloader`` with a :class:`PositionSampler` and a position
     where its sampler is a plain DistributedSampler batched by a plain BatchSampler; otherwise ``dataloader``."""
     if (trainer is None or not trainer.training or not isinstance(dataloader, DataLoader)
-            or isinstance(dataloader, _Stateful) or type(dataloader.sampler) is not DistributedSampler
+            or isinstance(dataloader, _Stateful) or type(dataloader.sampler) not in SAMPLERS
             or (dataloader.batch_sampler is not None and type(dataloader.batch_sampler) is not BatchSampler)):
         return dataloader
-    sampler = PositionSampler(dataloader.sampler)
+    sampler = SAMPLERS[type(dataloader.sampler)](dataloader.sampler)
     loader = _update_dataloader(dataloader, sampler, mode=RunningStage.TRAINING)
     position = LoaderPosition(loader, sampler, trainer)
     sampler.position = position
@@ -236,4 +290,5 @@ class DataPositions:
         iter(loop._data_fetcher)
 
 
-__all__ = ["ConsumedState", "DataPositions", "LoaderPosition", "PositionSampler", "positioned"]
+__all__ = ["ConsumedState", "DataPositions", "LoaderPosition", "PositionSampler", "ReplaySampler", "SAMPLERS",
+           "positioned"]

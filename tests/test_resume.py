@@ -37,6 +37,9 @@ KINDS = {
     "sequential": {"shuffle": False},                            # shuffle=False: Lightning's sampler shuffles anyway
     "workers": {"workers": 2, "dropout": 0.2},                   # DataLoader workers prefetch ahead of the loop
     "dict": {"loader": "dict"},                                  # CombinedLoader of two; the shorter one cycles
+    # use_distributed_sampler=False: each rank walks the whole dataset with its own RandomSampler / SequentialSampler
+    "own_random": {"use_distributed_sampler": False, "workers": 2, "dropout": 0.2},
+    "own_sequential": {"use_distributed_sampler": False, "shuffle": False},
     "onecycle": {"onecycle": True, "max_steps": -1, "max_epochs": 3, "dropout": 0.2},  # loader made in setup
     # torchdata's StatefulDataLoader keeps its own state through the same protocol. shuffle=False: Lightning's
     # DistributedSampler shuffles the training data anyway (shuffle=True would give its DistributedSamplerWrapper
@@ -107,7 +110,9 @@ def test_mid_epoch_resume_is_bit_identical(resumes, kind):
         assert stopped["stopped"] and stopped["rows"][-1]["step"] == STOP - 1
         first = resumed["rows"][0]
         # the resume trains on the next batch of the same epoch, the one the uninterrupted run trained on
-        assert first["step"] == STOP and first["epoch"] == 1 and first["batch_idx"] == STOP - 6, first
+        per_epoch = SAMPLES // BATCH // (1 if KINDS[kind].get("use_distributed_sampler", True) is False else 2)
+        assert first["step"] == STOP and (first["epoch"], first["batch_idx"]) == divmod(STOP, per_epoch), first
+        assert first["batch_idx"] > 0  # mid-epoch
         assert whole["global_step"] == resumed["global_step"]
         later = [row for row in whole["rows"] if row["step"] >= STOP]
         assert [row["indices"] for row in resumed["rows"]] == [row["indices"] for row in later]
@@ -152,3 +157,26 @@ def test_another_global_batch_is_named(resumes):
     assert log.count("global batch was") == 1
     assert ("checkpoint saved with world size 2, resuming with 1: per-rank state (RNG, collectives, sharding)"
             " starts fresh; the training data resumes at its global position") in log.replace("\n", " ")
+
+
+def test_position_samplers_keep_the_order_they_stand_for():
+    """In process: the samplers HorizonStrategy puts in the training loader walk their originals' order and draw
+    from torch's generator as they do (an uninterrupted run is the run without them, batch for batch)."""
+    from torch.utils.data import DistributedSampler, RandomSampler, SequentialSampler
+
+    from lightning_horizon.data_position import PositionSampler, ReplaySampler
+
+    data = list(range(37))
+    for rank in range(3):
+        original = DistributedSampler(data, num_replicas=3, rank=rank, shuffle=True, seed=5)
+        original.set_epoch(4)
+        assert list(PositionSampler(original)) == list(original)
+    for make in (lambda: RandomSampler(data), lambda: RandomSampler(data, num_samples=50, replacement=True),
+                 lambda: RandomSampler(data, generator=torch.Generator().manual_seed(3)),
+                 lambda: SequentialSampler(data)):
+        torch.manual_seed(9)
+        original = make()
+        expected, after = [list(original) for _ in range(2)], torch.get_rng_state()
+        torch.manual_seed(9)
+        replay = ReplaySampler(make())
+        assert [list(replay) for _ in range(2)] == expected and torch.equal(torch.get_rng_state(), after)

@@ -5,7 +5,7 @@ A run is ``{"name": ..., "devices": N, "ranks_per_node": R, "batch": per-rank ba
 "max_steps": M, "max_epochs": E (with "onecycle": OneCycleLR over trainer.estimated_stepping_batches, which builds
 the training loader inside configure_optimizers), "loader": "plain" | "dict" (two loaders of different lengths,
 Lightning's CombinedLoader, max_size_cycle) | "torchdata" | "torchdata_iterable", "workers": num_workers,
-"shuffle": bool, "dropout": p, "precision": Trainer precision, "ckpt_dir": DIR, "resume_from": DIR or null,
+"shuffle": bool, "use_distributed_sampler": bool, "dropout": p, "precision": Trainer precision, "ckpt_dir": DIR, "resume_from": DIR or null,
 "stop_at": step or null}``. ``stop_at`` ends the fit on every rank in the forward of that optimizer step (0-based),
 after the checkpoint of the steps before it was written (checkpoints after every step): the job is interrupted
 mid-epoch where it stands.
@@ -138,6 +138,7 @@ def fit(run: dict, out: Path) -> None:
     ckpt = ModelCheckpoint(dirpath=run["ckpt_dir"], save_last=True, every_n_train_steps=1, save_top_k=0)
     trainer = L.Trainer(
         accelerator="cpu", devices=run["devices"], strategy=strategy, precision=run.get("precision", "32-true"),
+        use_distributed_sampler=run.get("use_distributed_sampler", True),
         callbacks=[ckpt], max_steps=run.get("max_steps", -1), max_epochs=run.get("max_epochs", -1), logger=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
         default_root_dir=run["ckpt_dir"],

@@ -34,7 +34,8 @@ from lightning_horizon.node_state import NodeState, resolve_group_nodes
 from lightning_horizon.parts import Parts
 from lightning_horizon.rng import RNGState
 from lightning_horizon.sharding import GraphSharder
-from lightning_horizon.store import OutOfCore, store_folder
+from lightning_horizon.checkpoint_io import AtomicCheckpointIO
+from lightning_horizon.store import OutOfCore, StreamedCheckpointIO, store_folder
 from lightning_horizon.unused import UnusedParameters
 
 log = logging.getLogger("lightning_horizon.strategy")
@@ -64,10 +65,13 @@ def _state_parts(strategy: Any, model: nn.Module, trainer: Any, find_unused: boo
     options = strategy.options
     if options.store is not None and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
         part = OutOfCore(options.store, strategy.training_state, strategy.global_rank, lambda: strategy.sharder,
-                         budgeted=options.sharding is not None)
+                         budgeted=options.sharding is not None,
+                         budget_bytes=options.sharding.budget_bytes if options.sharding is not None else None)
         strategy.parts.refuse_taken("store", part)
         part.install(model, store_folder(options.store, trainer))
         strategy.parts.add("store", part)
+        if type(strategy.checkpoint_io) is AtomicCheckpointIO:  # saves write back as they go (store/checkpoint.py)
+            strategy.checkpoint_io = StreamedCheckpointIO()
     if strategy.world_size == 1:
         if not find_unused:  # a parameter that gets no gradient fails DDP on several processes: warn of it
             strategy.parts.add("unused", UnusedParameters(model))

@@ -27,6 +27,13 @@ from lightning_horizon.gradnorm import clip_grads_, total_norm_fp32
 MODULE, MASTER, COMPENSATED = "module", "fp32 master", "bf16 + compensation"
 
 
+def swap_in(tensor: Tensor, storage: Tensor) -> None:
+    """``tensor`` (a meta parameter or tensor) becomes a tensor viewing ``storage``, the Python object kept."""
+    new = torch.nn.Parameter(storage, requires_grad=tensor.requires_grad) if isinstance(tensor, torch.nn.Parameter) \
+        else storage
+    torch.utils.swap_tensors(tensor, new)
+
+
 class TrainingState:
     """Where each parameter's true value lives, and how to read, write and average it."""
 
@@ -137,7 +144,12 @@ class TrainingState:
         """Make ``storage`` the data of ``param`` (a module parameter or a master) in place of its own: the object
         stays, so optimizers, hooks, ``state_dict`` keys and tied weights (one Parameter reached twice) follow. The
         one place that changes a parameter's storage: a shared-memory view (node_state/), a store file's view
-        (store/), a bf16 copy (precision/). After DDP wraps the module, a new dtype drops the parameter's allreduce."""
+        (store/), a bf16 copy (precision/). After DDP wraps the module, a new dtype drops the parameter's allreduce.
+        A parameter on the meta device (declared, not built: store/materialize.py) swaps its tensor for one on
+        ``storage`` (``param.data =`` refuses another device type); the object stays as well."""
+        if param.is_meta and not storage.is_meta:
+            swap_in(param, storage)
+            return
         param.data = storage
 
     def to_dtype(self, params: Iterable[Tensor], dtype: torch.dtype) -> None:

@@ -32,6 +32,7 @@ from lightning_horizon.options import ARGUMENTS, HorizonOptions
 from lightning_horizon.strategy_args import ccl_available, check_world, register_names
 from lightning_horizon.strategy_checkpoint import StrategyCheckpoint
 from lightning_horizon.store import StoreConfig
+from lightning_horizon.store.materialize import deferred_init, is_meta
 from lightning_horizon.topology import ProcessGroups, Topology
 from lightning_horizon.unused import explain_unused
 
@@ -120,6 +121,7 @@ class HorizonStrategy(DDPStrategy):
         self._thread_settings: Optional[cpu.ThreadSettings] = None
         self._sync_backward = True  # False inside block_backward_sync (accumulation micro-batches)
         self._heartbeat: Optional[heartbeat.Heartbeat] = None
+        self._restore_after_setup: Optional[bool] = None  # restore_checkpoint_after_setup, for this fit
 
     # ------------------------------------------------------------------ the parts, by what they do
 
@@ -215,6 +217,35 @@ class HorizonStrategy(DDPStrategy):
         if fit_parts.before_ddp(self, model, trainer, self._ddp_kwargs.get("find_unused_parameters", False)):
             return model  # no DDP wrapper: one process, or node-sharded (the owners' gradient path instead)
         return super()._setup_model(model)
+
+    @override
+    @contextmanager
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        # with a store, trainer.init_module(empty_init=True) and configure_model (when fitting) declare the model on
+        # the meta device, its init recorded: setup builds it into the store layer by layer (store/materialize.py)
+        trainer = getattr(self.lightning_module, "_trainer", None) if self.lightning_module is not None else None
+        fitting = trainer is not None and trainer.state.fn == "fit"
+        if self.options.store is None or not (empty_init or (empty_init is None and fitting)):
+            with super().tensor_init_context(empty_init):
+                yield
+        else:
+            with super().tensor_init_context(False), deferred_init():
+                yield
+
+    @override
+    def model_to_device(self) -> None:
+        if not is_meta(self.model):  # declared on the meta device: the store builds it at setup, on the CPU
+            super().model_to_device()
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # a model declared on the meta device has weights to load into only once setup built it in the store
+        # (decided at the first ask, before setup, and kept for the fit: setup builds the module)
+        if self._restore_after_setup is None:
+            module = self.lightning_module
+            self._restore_after_setup = self.options.store is not None and module is not None and is_meta(module)
+        return super().restore_checkpoint_after_setup or self._restore_after_setup
 
     @override
     def _register_ddp_hooks(self) -> None:
@@ -326,7 +357,10 @@ class HorizonStrategy(DDPStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        return self.checkpoints.after_read(checkpoint, checkpoint_path)
+        checkpoint = self.checkpoints.after_read(checkpoint, checkpoint_path)
+        if self._restore_after_setup and self.model is not None:
+            self.parts.after_setup()  # read after setup (a model the store built): the loaded states apply now
+        return checkpoint
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
@@ -357,6 +391,7 @@ class HorizonStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
+        self._restore_after_setup = None
         if self._heartbeat is not None:
             self._heartbeat.stop()
             self._heartbeat = None

@@ -23,7 +23,7 @@ import subprocess
 import sys
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import lightning as L
 import pytest
@@ -979,3 +979,117 @@ def test_a_crashed_fits_subfolder_is_swept_by_the_next(tmp_path):
     assert made.created == [str(tmp_path / "a"), str(tmp_path / "a" / "b")]
     made.remove()
     assert not (tmp_path / "a").exists()
+
+
+# ---------------------------------------------------------------------------------------------- models declared on meta
+
+
+@pytest.fixture(scope="module")
+def ram_declared(tmp_path_factory):
+    """The in-RAM fits the meta-declared ones must equal: each model built by its own __init__ (4 steps)."""
+    from tests.scripts.out_of_core_meta import declared_fit
+
+    return {kind: declared_fit(tmp_path_factory.mktemp(f"ram-{kind}"), kind, "init", store=False, steps=4)
+            for kind in ("gpt", "llama")}
+
+
+def _same(a: dict[str, Tensor], b: dict[str, Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("kind, where", [("gpt", "init"), ("gpt", "configure"), ("llama", "init")])
+def test_a_meta_declared_model_is_built_into_the_store_bitwise(tmp_path, ram_declared, kind, where):
+    """Declared on the meta device (trainer.init_module(empty_init=True), configure_model; the recipe GPT and a tiny
+    Hugging Face Llama from its config), built layer by layer into the store at setup: the init is the in-RAM one
+    bit for bit, the generator is where the in-RAM build leaves it (the loader shuffles with it), and 4 steps train
+    to the in-RAM weights and losses, bit for bit."""
+    from tests.scripts.out_of_core_meta import declared_fit
+
+    ram = ram_declared[kind]
+    fit = declared_fit(tmp_path, kind, where, store=True, steps=4)
+    assert fit["declared_on_meta"] and fit["in_store"] and fit["materialized"]
+    assert _same(fit["start"], ram["start"])
+    assert torch.equal(fit["rng"], ram["rng"])
+    assert fit["losses"] == ram["losses"]
+    assert _same(fit["end"], ram["end"])
+
+
+def test_a_meta_declared_model_saves_resumes_and_loads_without_being_built(tmp_path, ram_declared):
+    """Saved at step 2 and resumed to step 4 (declared on the meta device both times: weights and optimizer state go
+    into the store unit by unit), the weights equal the uninterrupted fit's; the checkpoint loads into the plain
+    model declared on meta (its tensors the memory-mapped file's) and converts to safetensors, tensor by tensor,
+    which StoreConfig(pretrained=...) reads back into the store."""
+    from lightning_horizon.store import deferred_init, load_weights, to_safetensors
+    from tests.scripts.out_of_core_meta import Declared, declared_fit, make_net
+
+    ram = ram_declared["llama"]
+    full = str(tmp_path / "full.ckpt")
+    declared_fit(tmp_path / "a", "llama", "init", store=True, steps=3, every=2)
+    half = str(tmp_path / "a" / "ckpt" / "step=2.ckpt")
+    resumed = declared_fit(tmp_path / "b", "llama", "init", store=True, steps=4, ckpt=half, save=full)
+    assert resumed["materialized"] and _same(resumed["end"], ram["end"])
+    assert resumed["losses"] == ram["losses"][2:]
+    # after fit the parameters still view the store's files: the model was never given private memory
+    assert not any(f.endswith(".tmp") for f in os.listdir(tmp_path / "a" / "ckpt"))
+    with deferred_init():
+        plain = make_net("llama")
+    load_weights(plain, full, prefix="net.")
+    assert _same({f"net.{k}": v for k, v in plain.named_parameters()}, ram["end"])
+    assert not any(b.is_meta for b in plain.buffers())
+    reference = Declared("llama")
+    reference.load_state_dict(ram["end"], strict=False)
+    x = torch.randint(0, 32, (2, 8))
+    assert torch.equal(plain(input_ids=x).logits, reference.net(input_ids=x).logits)
+    weights = str(tmp_path / "net.safetensors")
+    assert to_safetensors(full, weights, prefix="net.") == len(plain.state_dict())
+    loaded = declared_fit(tmp_path / "c", "llama", "init", store=True, steps=1, pretrained=weights)
+    assert _same(loaded["start"], ram["end"])
+
+
+def test_a_model_built_whole_that_cannot_fit_fails_at_setup(tmp_path):
+    """A model whose __init__ built more weights than the sharding budget fails at setup with one line naming the
+    fix (declare it in configure_model / under init_module(empty_init=True)); nothing was copied into the store."""
+    from lightning_horizon.sharding import ShardingConfig
+    from tests.scripts.out_of_core_meta import too_big
+
+    with pytest.raises(MemoryError) as err:
+        too_big(str(tmp_path / "store"), 64 << 20, sharding=ShardingConfig(budget=48 << 20))
+    message = str(err.value)
+    assert "\n" not in message and "built its weights in memory (64 MiB)" in message, message
+    assert "the sharding budget" in message and "configure_model" in message and "empty_init=True" in message
+    assert not (tmp_path / "store").exists() or not any((tmp_path / "store").iterdir())
+
+
+def _memory_cgroup() -> Optional[Path]:
+    root = Path("/sys/fs/cgroup/memory")
+    if os.geteuid() != 0 or not (root / "cgroup.procs").exists():
+        return None
+    return root
+
+
+def test_under_a_memory_limit_a_model_built_whole_fails_at_setup(tmp_path):
+    """In a memory cgroup (v1, as root) of 700 MiB, a model whose __init__ built 1 GiB of weights (untouched pages,
+    so it got that far) fails at setup with the one-line message, before it is copied into the store."""
+    root = _memory_cgroup()
+    if root is None:
+        pytest.skip("needs root and the cgroup v1 memory controller (the budget case runs everywhere)")
+    group = root / f"horizon-test-{os.getpid()}"
+    group.mkdir()
+    try:
+        (group / "memory.limit_in_bytes").write_text(str(700 << 20))
+        script = REPO / "tests" / "scripts" / "out_of_core_meta.py"
+        cmd = f'echo $$ > {group}/cgroup.procs && exec "{sys.executable}" "{script}" too_big "{tmp_path}" {1 << 30}'
+        out = subprocess.run(["sh", "-c", cmd], capture_output=True, text=True, timeout=120)
+        assert out.returncode not in (0, -9, 137), out.stderr[-2000:]
+        line = next(x for x in out.stderr.splitlines() if "MemoryError: state_store:" in x)
+        assert "built its weights in memory (1 GiB)" in line and "the memory this process may have" in line, line
+        assert "configure_model" in line and "empty_init=True" in line
+    finally:
+        for _ in range(50):
+            try:
+                group.rmdir()
+                break
+            except OSError:
+                import time
+
+                time.sleep(0.1)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from lightning_horizon.checks import check_one_of, is_int, require
 
@@ -50,6 +50,17 @@ class StoreConfig:
     shrinks to what is (down to 1 MiB; below that setup fails, naming this field). 0 skips the probe; else at
     least 1 MiB."""
 
+    pretrained: Union[None, str, os.PathLike, tuple] = None
+    """Safetensors file(s) (a path or a tuple of paths) whose tensors become the model's weights at setup, read one
+    tensor at a time into the store's files (``safetensors.safe_open`` maps each file): a model declared on the meta
+    device (``trainer.init_module(empty_init=True)``, ``configure_model``) is never built in memory. A name in the
+    files is the model's parameter or buffer name after ``pretrained_prefix``; a parameter not in the files keeps its
+    init (logged). ``None``: the model's own init (declared on the meta device: replayed into the store)."""
+
+    pretrained_prefix: Optional[str] = None
+    """What comes before the files' names in the LightningModule's parameter names (``"model."`` for a Hugging Face
+    model held as ``self.model``); ``None``: found from the first name in the files that ends a parameter's name."""
+
     def __post_init__(self) -> None:
         require(self.path is None or _folder_path(self.path), "StoreConfig", "path", self.path,
                 "None (next to the checkpoints) or a folder path (non-empty, a str or os.PathLike, no NUL byte)")
@@ -60,6 +71,19 @@ class StoreConfig:
         require(is_int(self.probe_bytes) and (self.probe_bytes == 0 or self.probe_bytes >= MIN_PROBE), "StoreConfig",
                 "probe_bytes", self.probe_bytes, f"an int >= 0: 0 (no disk probe) or at least {MIN_PROBE} (1 MiB:"
                 " a smaller probe measures the page cache, not the disk)")
+        paths = self.pretrained if isinstance(self.pretrained, tuple) else (self.pretrained,) if self.pretrained \
+            is not None else ()
+        require(all(_folder_path(x) for x in paths) and (self.pretrained is None or paths), "StoreConfig",
+                "pretrained", self.pretrained, "None, a safetensors file's path or a tuple of paths")
+        require(self.pretrained_prefix is None or isinstance(self.pretrained_prefix, str), "StoreConfig",
+                "pretrained_prefix", self.pretrained_prefix, "None (found from the names) or a str")
+
+    @property
+    def pretrained_paths(self) -> tuple[str, ...]:
+        """``pretrained`` as a tuple of paths."""
+        if self.pretrained is None:
+            return ()
+        return tuple(map(os.fspath, self.pretrained if isinstance(self.pretrained, tuple) else (self.pretrained,)))
 
 
 def _folder_path(value: Any) -> bool:

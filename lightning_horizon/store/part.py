@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 
 from torch import nn
 
-from lightning_horizon.memory.probe import fmt_bytes
+from lightning_horizon.memory.probe import current_rss, fmt_bytes, node_free_memory
 from lightning_horizon.optim import torch_optimizer
 from lightning_horizon.parts import PARAMETERS, Part
 from lightning_horizon.state import TrainingState
@@ -43,8 +43,10 @@ class OutOfCore(Part):
     takes = MappingProxyType({PARAMETERS: "the weights, masters and optimizer state in files, streamed per layer"})
 
     def __init__(self, config: StoreConfig, training_state: TrainingState, rank: int,
-                 sharder: Callable[[], Any] = lambda: None, budgeted: bool = False) -> None:
+                 sharder: Callable[[], Any] = lambda: None, budgeted: bool = False,
+                 budget_bytes: Optional[int] = None) -> None:
         self.config = config
+        self.budget_bytes = budget_bytes  # the sharding budget in bytes, where given so
         self.budgeted = budgeted  # a sharding budget exists: units may be pinned as measured memory allows
         self._sharder = sharder  # the strategy's GraphSharder, once it exists: the budget and the measured peak
         self._changed_at = -2  # the sharder's step count when the pinned units last changed
@@ -72,16 +74,31 @@ class OutOfCore(Part):
     def install(self, module: nn.Module, folder: str) -> None:
         """Before the optimizers and the precision plugin connect: the weights move into the store, in a subfolder of
         ``folder`` of this fit's own (store/folder.py)."""
+        self.check_built(module)
         self._folder = FitFolder(folder, self.rank)
         self.folder = self._folder.path
         self.store = StateStore(self.folder, plan_units(module), self.config.prefetch, self.config.readers,
                                 training_state=self.training_state)
         try:
-            self.store.install()
+            self.store.install(module, self.config.pretrained_paths, self.config.pretrained_prefix)
         except BaseException:  # the part is not in the fit yet: no teardown will come for it
             self.teardown()
             raise
         self.training_state.store = self.store
+
+    def check_built(self, module: nn.Module) -> None:
+        """A model whose ``__init__`` built its weights in memory fails here when they cannot fit: more than the
+        sharding budget, or than this process may have (its cgroup's room, the machine's available memory)."""
+        built = sum(p.numel() * p.element_size() for p in dict.fromkeys(module.parameters()) if not p.is_meta)
+        room = current_rss() + node_free_memory()
+        sharder_budget = self.budget_bytes
+        limit, what = (sharder_budget, "the sharding budget") if sharder_budget is not None and sharder_budget < room \
+            else (room, "the memory this process may have")
+        if built > limit:
+            raise MemoryError(
+                f"state_store: {type(module).__name__}'s __init__ built its weights in memory ({fmt_bytes(built)}),"
+                f" more than {what} ({fmt_bytes(limit)}): declare the model in configure_model or under"
+                " trainer.init_module(empty_init=True), and the store builds it layer by layer on disk")
 
     def refuses(self, optimizer: Any) -> Optional[str]:
         return why_not(optimizer)

@@ -29,14 +29,15 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 
 from lightning_horizon.precision.policy import per_element
 from lightning_horizon.state import TrainingState
+from lightning_horizon.store.materialize import is_meta, load_pretrained, materialize
 from lightning_horizon.store.files import READ_CHUNK, MappedFile, Reservation, before_compute, io_counters
 from lightning_horizon.store.sizes import GRAD, WEIGHT, file_bytes, pending, split, state_kind
 from lightning_horizon.store.units import Unit
@@ -83,6 +84,9 @@ class StateStore:
         self._period_bytes = 0
         self._reserve: Optional[Reservation] = None
         self._hooks: list[Any] = []
+        #: the model was built into the store (declared on the meta device, or read from pretrained files): it never
+        #: gets private memory (teardown leaves its parameters viewing the files)
+        self.materialized = False
 
     def reserve(self, nbytes: int, what: str) -> None:
         """Hold ``nbytes`` of disk now for what the first backward and step will create (``what``: gradients,
@@ -127,18 +131,72 @@ class StateStore:
             self._dirty.add((self.unit_of[id(param)].index, kind))
         return v
 
-    def install(self) -> None:
+    def install(self, root: Optional[nn.Module] = None, pretrained: Sequence[str] = (),
+                prefix: Optional[str] = None) -> None:
         """Every held parameter's data moves into the store (same Parameter objects); the hooks that stream the
-        weights in forward and store the gradients in backward go on."""
+        weights in forward and store the gradients in backward go on. A ``root`` declared on the meta device is
+        built into the store layer by layer instead (store/materialize.py), then the ``pretrained`` safetensors files
+        are read into it one tensor at a time (``prefix``: before their names; None: found)."""
+        if root is not None and (is_meta(root) or pretrained):
+            self._build(root, pretrained, prefix)
+        else:
+            for u in self.units:
+                for p in u.params:
+                    self._state.rebind(p, self.place(p, WEIGHT, p.data))
+                self.release(u)
         for u in self.units:
-            for p in u.params:
-                self._state.rebind(p, self.place(p, WEIGHT, p.data))
-            self.release(u)
             if u.module is not None:
                 self._hooks.append(u.module.register_forward_pre_hook(lambda m, a, u=u: self.before_forward(u)))
                 self._hooks.append(u.module.register_forward_hook(lambda m, a, o, u=u: self.after_forward(u)))
+                # a checkpoint's weights go in unit by unit: each unit, loaded, is written back and leaves memory
+                self._hooks.append(u.module.register_load_state_dict_post_hook(
+                    lambda m, keys, u=u: self._leave(u, True, (WEIGHT,))))
+        if root is not None:  # the resident unit's weights, loaded, are written back once the whole module is
+            resident = self.units[-1]
+            self._hooks.append(root.register_load_state_dict_post_hook(
+                lambda m, keys: self._leave(resident, True, (WEIGHT,))))
         for p in (p for u in self.units for p in u.params):
             self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_arrived))
+
+    def _switcher(self) -> Callable[[Optional[Unit]], None]:
+        """A function to call with the unit about to be written (None: the end): the last one, written, leaves."""
+        current: list[Optional[Unit]] = [None]
+
+        def switch(u: Optional[Unit]) -> None:
+            if current[0] is not None and u is not current[0]:
+                self._leave(current[0], True, (WEIGHT,))
+            current[0] = u
+
+        return switch
+
+    def _build(self, root: nn.Module, pretrained: Sequence[str], prefix: Optional[str]) -> None:
+        """Each held parameter gets its view in the store; a meta-declared ``root`` is materialized into the views
+        (its init replayed, layer by layer), then the pretrained tensors are read in."""
+        self.materialized = True
+        views = [(p, self.view(p, WEIGHT, p)) for u in self.units for p in u.params]
+        if is_meta(root):
+            unit_by_storage = {p.untyped_storage()._cdata: self.unit_of[id(p)] for p, _ in views if p.is_meta}
+            targets = {p.untyped_storage()._cdata: v for p, v in views if p.is_meta}
+            for p, v in views:
+                if not p.is_meta:
+                    v.copy_(p.data)
+            materialize(root, targets, unit_by_storage.get, self._switcher())
+        else:
+            for p, v in views:
+                v.copy_(p.data)
+        for p, v in views:
+            self._state.rebind(p, v)
+        for u in self.units:
+            self._dirty.add((u.index, WEIGHT))
+            self.release(u)
+        if pretrained:
+            switch = self._switcher()
+            read, missing, unexpected = load_pretrained(root, pretrained, prefix,
+                                                        lambda t: switch(self.unit_of.get(id(t))))
+            log.info(f"state_store: {read} pretrained tensors read from {', '.join(map(str, pretrained))}"
+                     + (f"; not in the files (their init kept): {', '.join(missing)}" if missing else "")
+                     + (f"; in the files but not in the model (ignored): {', '.join(unexpected)}" if unexpected
+                        else ""))
 
     def new_step(self) -> None:
         """A step boundary: no backward of the last step is under way any more."""
@@ -149,7 +207,7 @@ class StateStore:
         """``params`` (keys of ``optimizer.state``; masters stand for their parameters through ``parameter_of``)
         were just stepped: their per-element optimizer state moves into the store, and their units, written to,
         leave memory."""
-        touched: dict[int, Unit] = {}
+        last: Optional[Unit] = None
         for x in params:
             p = parameter_of(x)
             if not self.knows(p):
@@ -159,10 +217,15 @@ class StateStore:
                 if per_element(k, value, x):
                     st[k] = self.place(p, state_kind(k, value.dtype), value)
             u = self.unit_of[id(p)]
-            touched[u.index] = u
-        for u in touched.values():
-            self._dirty.update(key for key, _ in self._unit_files(u) if key[1] != GRAD)
-            self.release(u)
+            if last is not None and u is not last:  # one unit in memory at a time (a resume places them all)
+                self._settled(last)
+            last = u
+        if last is not None:
+            self._settled(last)
+
+    def _settled(self, u: Unit) -> None:
+        self._dirty.update(key for key, _ in self._unit_files(u) if key[1] != GRAD)
+        self.release(u)
 
     # ------------------------------------------------------------------ gradients (backward)
 
@@ -383,7 +446,8 @@ class StateStore:
         self.drain()
         self.pinned.clear()
         for u in self.units:
-            self._state.own_memory(u.params)
+            if not self.materialized:  # a model built into the store would be built whole: it keeps its views
+                self._state.own_memory(u.params)
             for _, f in self._unit_files(u):
                 f.unmap()
         self.drain()

@@ -119,6 +119,8 @@ class LoaderPosition:
         self._origin, self._pass_epoch = 0, None
         self._resumed_origin: Optional[int] = None
         self._user_generator: Any = None
+        #: a state was loaded (a checkpoint without one, written before the data position was kept, restarts the epoch)
+        self.loaded = False
 
     @property
     def global_batch(self) -> int:
@@ -154,6 +156,7 @@ class LoaderPosition:
         if state["samples"] != len(self.sampler.dataset):
             rank_zero_warn(f"HorizonStrategy: the checkpoint's training data held {state['samples']} samples, this"
                            f" run's {len(self.sampler.dataset)}: the resumed epoch's order is not the saved one")
+        self.loaded = True
         batches = state["batches"]
         if state["global_batch"] != self.global_batch and batches:
             rank_zero_warn(
@@ -195,6 +198,7 @@ def positioned(dataloader: object, trainer: Any) -> object:
     sampler.position = position
     # the loader is now stateful for Lightning (``isinstance(loader, _Stateful)``): its fit loop saves and restores it
     loader.state_dict, loader.load_state_dict = position.state_dict, position.load_state_dict
+    loader.horizon_position = position
     return loader
 
 
@@ -282,12 +286,20 @@ class DataPositions:
         and a fresh iterator (the one made during setup predates both)."""
         made_early, self._made_early = self._made_early, False
         loop = trainer.fit_loop
-        if not made_early or trainer.ckpt_path is None or loop._combined_loader is None:
+        if trainer.ckpt_path is None or loop._combined_loader is None:
             return
-        loop._load_combined_loader_states()
-        for dl in loop._combined_loader.flattened:
-            _set_sampler_epoch(dl, loop.epoch_progress.current.processed)
-        iter(loop._data_fetcher)
+        if made_early:
+            loop._load_combined_loader_states()
+            for dl in loop._combined_loader.flattened:
+                _set_sampler_epoch(dl, loop.epoch_progress.current.processed)
+            iter(loop._data_fetcher)
+        progress = loop.epoch_loop.batch_progress
+        unplaced = [dl for dl in loop._combined_loader.flattened
+                    if getattr(dl, "horizon_position", None) is not None and not dl.horizon_position.loaded]
+        if unplaced and progress.current.processed and not progress.is_last_batch:
+            rank_zero_warn(f"HorizonStrategy: the checkpoint {trainer.ckpt_path} holds no position of the training"
+                           f" data (written without it): epoch {loop.epoch_progress.current.processed} restarts at its"
+                           f" first batch while the loop goes on at batch {progress.current.processed}")
 
 
 __all__ = ["ConsumedState", "DataPositions", "LoaderPosition", "PositionSampler", "ReplaySampler", "SAMPLERS",

@@ -159,7 +159,12 @@ def worker(spec: dict[str, Any], out: str) -> None:
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
         strategy=HorizonStrategy(threads_per_rank=spec["threads"], **kw), callbacks=[StepTimer(), probe],
         **precision)
-    trainer.fit(GPTPretrain(**spec["model"]), ByteCorpusDataModule(**spec["data"]))
+    if spec.get("declare") == "meta" and spec["prefetch"]:  # declared on the meta device: the store builds it
+        with trainer.init_module(empty_init=True):
+            model = GPTPretrain(**spec["model"])
+    else:
+        model = GPTPretrain(**spec["model"])
+    trainer.fit(model, ByteCorpusDataModule(**spec["data"]))
 
 
 # ---------------------------------------------------------------------------------------------- driver side
@@ -185,6 +190,23 @@ def store_root(requested: Optional[str]) -> Path:
     return tmp if filesystem(tmp)[1] not in MEMORY_FS else HERE.parent
 
 
+def make_swap(path: Path, nbytes: int) -> None:
+    """A swap file of ``nbytes`` at ``path``, switched on (root): the swap a user would try instead of the store."""
+    subprocess.run(["fallocate", "-l", str(nbytes), str(path)], check=True)
+    os.chmod(path, 0o600)
+    subprocess.run(["mkswap", str(path)], check=True, capture_output=True)
+    subprocess.run(["swapon", str(path)], check=True)
+    print(f"swap: {nbytes / 2**30:,.1f} GiB at {path} (on)", flush=True)
+
+
+def drop_swap(path: Path) -> None:
+    """Switch the swap file off and remove it, whatever state it is in."""
+    if path.exists():
+        subprocess.run(["swapoff", str(path)], check=False, capture_output=True)
+        path.unlink()
+        print(f"swap: {path} off and removed", flush=True)
+
+
 def kernel_log() -> list[str]:
     """The kernel's log lines (dmesg, timestamped; empty where it cannot be read)."""
     try:
@@ -199,11 +221,12 @@ def run_arm(arm: str, batch: int, a: argparse.Namespace, budget: int, root: Path
     from lightning_horizon.layout.timer import OUT_ENV, WARMUP_ENV
     from lightning_horizon.layout.tuner import clean_env, measure, run_worker
 
-    prefetch = arm.removeprefix("store-") if arm != "ram" else None
+    prefetch = arm.removeprefix("store-") if arm.startswith("store-") else None
     threads = len(os.sched_getaffinity(0))
     run_id = uuid.uuid4().hex[:12]
     folder = root / f"{arm}-b{batch}-{run_id}"
     spec = {"prefetch": prefetch, "store": str(folder), "probe_bytes": a.probe_bytes, "readers": a.readers,
+            "declare": a.declare,
             "step": a.step, "plan_budget": a.plan_budget,
             "threads": threads, "precision": a.precision, "steps": a.warmup + a.steps,
             "model": {"n_layer": a.n_layer, "n_head": a.n_head, "n_embd": a.n_embd, "block_size": a.seq},
@@ -213,7 +236,9 @@ def run_arm(arm: str, batch: int, a: argparse.Namespace, budget: int, root: Path
     env.pop("GLIBC_TUNABLES", None)
     env.update({OUT_ENV: f"{out}.timer.json", WARMUP_ENV: str(a.warmup), **MALLOC[a.malloc]})
     try:
-        with run_cgroup(env, "bench_ooc", budget if prefetch and a.enforce else None) as cg:
+        # the ram arm: no limit but --ram-limit (a guard for the machine); swap: the budget and swap beyond it
+        limit = (budget if (prefetch or arm == "swap") and a.enforce else a.ram_limit if arm == "ram" else None)
+        with run_cgroup(env, "bench_ooc", limit, swap=a.swap_bytes if arm == "swap" else 0) as cg:
             before = set(kernel_log()) if cg and cg.limit else set()
             t0 = time.perf_counter()
             rc, log = run_worker([sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec),
@@ -297,6 +322,18 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--precision", default="32-true", choices=list(PRECISIONS))
     p.add_argument("--prefetch", default="read,readahead", help=f"store arms, comma-separated, of {PREFETCH}")
+    p.add_argument("--config", default=None, help="a recipe config (recipes/configs/*.yaml): its model's n_layer,"
+                                                    " n_head and n_embd (the sequence stays --seq)")
+    p.add_argument("--declare", choices=("init", "meta"), default="init",
+                   help="the store arms' model: built by its __init__ ('init') or declared on the meta device under"
+                        " trainer.init_module(empty_init=True) and built layer by layer into the store ('meta')")
+    p.add_argument("--swap", default=None, help="SIZE: add the 'swap' arm, the model in RAM under the budget's limit"
+                                                " with a swap file of SIZE (made in --store-dir with fallocate, mkswap,"
+                                                " swapon; swapoff and removed afterwards; root)")
+    p.add_argument("--ram-limit", type=parse_size, default=None,
+                   help="a memory limit for the ram arm too (a guard for a shared machine: it fails instead)")
+    p.add_argument("--arms", default=None, help="the arms to run, comma-separated (default: ram, the store arms,"
+                                                " swap with --swap)")
     p.add_argument("--n-layer", type=int, default=16)
     p.add_argument("--n-head", type=int, default=12)
     p.add_argument("--n-embd", type=int, default=768)
@@ -325,6 +362,11 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     a = parse_common(p, argv, SMOKE, worker)
     if a is None:  # this process was a worker
         return {}
+    if a.config:
+        import yaml
+
+        model = yaml.safe_load(Path(a.config).read_text()).get("model", {})
+        a.n_layer, a.n_head, a.n_embd = (model.get(k, getattr(a, k)) for k in ("n_layer", "n_head", "n_embd"))
     batches = sorted({int(b) for b in a.batches.split(",") if b.strip()})
     prefetch = [s.strip() for s in a.prefetch.split(",") if s.strip()]
     if not batches or min(batches) < 1 or a.warmup < 1 or a.steps < 1 or a.rounds < 1 or not a.ratio > 0 \
@@ -353,7 +395,12 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
               "not enforced (" + ("--no-limit" if not a.enforce else "not root or no writable memory cgroup")
               + "): checked against the measured peak RSS")
     started = time.strftime("%Y-%m-%d %H:%M:%S")
-    arms = ["ram"] + [f"store-{s}" for s in prefetch]
+    arms = ["ram"] + [f"store-{s}" for s in prefetch] + (["swap"] if a.swap else [])
+    if a.arms:
+        arms = [x.strip() for x in a.arms.split(",") if x.strip()]
+        if set(arms) - {"ram", "swap", *(f"store-{s}" for s in PREFETCH)} or ("swap" in arms and not a.swap):
+            p.error(f"--arms: of ram, swap (with --swap) and store-<prefetch>, given {a.arms}")
+    a.swap_bytes = parse_size(a.swap) if a.swap else 0
     print(f"bench_out_of_core: GPT {a.n_layer} layers x {a.n_embd} ({params / 1e6:.2f}M params), {a.n_head} heads |"
           f" {a.precision} | AdamW | batches {','.join(map(str, batches))} x {a.seq} tokens (the recipe's:"
           f" {max(batches)}) | arms {', '.join(arms)} | {a.warmup} warm-up + {a.steps} measured steps |"
@@ -372,7 +419,10 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     runs: dict[tuple[int, str], list[dict[str, Any]]] = {(b, s): [] for b in batches for s in arms}
     failed: list[dict[str, Any]] = []
     root = Path(tempfile.mkdtemp(prefix="bench_out_of_core_", dir=root_base))
+    swapfile = root / "swapfile" if "swap" in arms else None
     try:
+        if swapfile is not None:
+            make_swap(swapfile, a.swap_bytes)
         with tempfile.TemporaryDirectory(prefix="bench_out_of_core_") as tmp:
             for rnd in range(a.rounds):
                 for i, b in enumerate(batches):
@@ -403,6 +453,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                         for line in res["kernel"]:
                             print(f"    kernel: {line}", flush=True)
     finally:
+        if swapfile is not None:
+            drop_swap(swapfile)
         shutil.rmtree(root, ignore_errors=True)
     rows = []
     for (b, s), rs in runs.items():

@@ -1093,3 +1093,30 @@ def test_under_a_memory_limit_a_model_built_whole_fails_at_setup(tmp_path):
                 import time
 
                 time.sleep(0.1)
+
+
+def test_a_streamed_save_that_fails_midway_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    """StreamedCheckpointIO (a fit with a store saves through it) writes back as it goes and stays atomic: a save
+    that dies after writing part of the file leaves the previous checkpoint whole and no temporary file."""
+    from lightning_horizon.store import checkpoint as ckpt_io
+
+    monkeypatch.setattr(ckpt_io, "WRITE_BACK", 1 << 16)
+    io = ckpt_io.StreamedCheckpointIO()
+    path = tmp_path / "last.ckpt"
+    io.save_checkpoint({"w": torch.arange(1 << 18, dtype=torch.float32)}, path)
+    before = path.read_bytes()
+    written = []
+    real_write = ckpt_io._WriteBack.write
+
+    def dies(self, data):
+        if sum(written) > 1 << 18:
+            raise OSError("killed mid-save")
+        written.append(len(memoryview(data).cast("B")))
+        return real_write(self, data)
+
+    monkeypatch.setattr(ckpt_io._WriteBack, "write", dies)
+    with pytest.raises((OSError, RuntimeError)):  # torch.save reports the writer it lost as a RuntimeError
+        io.save_checkpoint({"w": torch.zeros(1 << 20)}, path)
+    assert sum(written) > 1 << 18  # it had written (and written back) part of the new file
+    assert path.read_bytes() == before and os.listdir(tmp_path) == ["last.ckpt"]
+    assert torch.equal(io.load_checkpoint(path)["w"], torch.arange(1 << 18, dtype=torch.float32))

@@ -1120,3 +1120,41 @@ def test_a_streamed_save_that_fails_midway_leaves_the_previous_checkpoint(tmp_pa
     assert sum(written) > 1 << 18  # it had written (and written back) part of the new file
     assert path.read_bytes() == before and os.listdir(tmp_path) == ["last.ckpt"]
     assert torch.equal(io.load_checkpoint(path)["w"], torch.arange(1 << 18, dtype=torch.float32))
+
+
+def test_a_model_declared_under_a_plain_meta_device_gets_each_modules_own_init(tmp_path, caplog):
+    """Declared under torch.device("meta") (no record): each module's reset_parameters, in module order, replayed
+    into the store from the generator state at setup, with a warning saying so; for a stack of torch modules right
+    after seed_everything that is the in-RAM build, bit for bit."""
+
+    class Stack(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)) for _ in range(3))
+
+        def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+            for b in self.blocks:
+                batch = b(batch)
+            return batch.square().mean()
+
+        def train_dataloader(self) -> Any:
+            return torch.utils.data.DataLoader(torch.ones(8, 8), batch_size=4)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def fit(meta: bool) -> dict[str, Tensor]:
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+                            strategy=HorizonStrategy(state_store=StoreConfig(path=str(tmp_path / "s"), probe_bytes=0)
+                                                     if meta else None, threads_per_rank=1))
+        L.seed_everything(5, verbose=False)
+        with torch.device("meta") if meta else contextlib.nullcontext():
+            model = Stack()
+        trainer.fit(model)
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    ram = fit(False)
+    with caplog.at_level("WARNING"):
+        assert _same(fit(True), ram)
+    assert any("declared on the meta device outside" in r.getMessage() for r in caplog.records)

@@ -164,6 +164,9 @@ class StateStore:
 
         def switch(u: Optional[Unit]) -> None:
             if current[0] is not None and u is not current[0]:
+                # the unit before it is on the disk first: dirty pages stay within two units (a memory cgroup's
+                # reclaim cannot write them out for it), the last one's write-back overlapping the next one's writes
+                self._writer.submit(lambda: None).result()
                 self._leave(current[0], True, (WEIGHT,))
             current[0] = u
 

@@ -10,9 +10,11 @@ import logging as _logging
 from lightning.pytorch.strategies import StrategyRegistry as _StrategyRegistry
 
 from lightning_horizon import console as _console
+from lightning_horizon.checkpoint_io import AtomicCheckpointIO
 from lightning_horizon.callbacks import CommMonitor, GradNormBackoff, MemoryMonitor, ThroughputMFUMonitor
 from lightning_horizon.collectives import CollectivesConfig, CostModel, Link
 from lightning_horizon.precision import HorizonPrecision
+from lightning_horizon.preemption import PreemptionCheckpoint
 from lightning_horizon.sharding import ShardingConfig
 from lightning_horizon.store import StoreConfig
 from lightning_horizon.strategy import HorizonStrategy
@@ -31,6 +33,7 @@ for _path in ("lightning_horizon.HorizonStrategy", "lightning_horizon.strategy.H
         _StrategyRegistry.register(_path.lower(), HorizonStrategy, description="HorizonStrategy with its defaults")
 
 __all__ = [
+    "AtomicCheckpointIO",
     "CollectivesConfig",
     "CommMonitor",
     "CostModel",
@@ -39,6 +42,7 @@ __all__ = [
     "HorizonStrategy",
     "Link",
     "MemoryMonitor",
+    "PreemptionCheckpoint",
     "ProcessGroups",
     "ShardingConfig",
     "StoreConfig",

@@ -42,6 +42,7 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 
 from lightning_horizon import liveness
+from lightning_horizon import placement as _placement
 
 log = logging.getLogger("lightning_horizon.strategy")  # the strategy's log: where its user looks
 
@@ -64,7 +65,10 @@ def start(address: str, port: int, rank: int, placement: list[dict[str, Any]],
     """This rank's heartbeat on the rendezvous store at ``address:port``, started; ``None``, with a warning, where
     no store answers there (a process group started without one, e.g. by MPI): the job then runs without it."""
     try:
-        store = connect(address, port, timeout_s)
+        # its keys under this attempt's prefix: torchrun's agent store outlives an attempt, and a verdict or the beats
+        # of the attempt before (a hung rank named) must not end or confuse a restarted one
+        store, prefix = connect(address, port, timeout_s), _placement.attempt_prefix()
+        store = dist.PrefixStore(prefix, store) if prefix else store
         beat = Heartbeat(store, rank, placement, timeout_s)
         beat.start()
     except (RuntimeError, OSError) as error:  # torch's DistStoreError is a RuntimeError

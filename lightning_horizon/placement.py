@@ -6,6 +6,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -49,6 +50,45 @@ def start(options: Any, world_size: int, rank: int, local_rank: int, ranks_here:
     if report_here:
         report(topology, rows, backend, ranks_here, options.threads_per_rank)
     return topology, groups, rows
+
+
+def attempt() -> int:
+    """Which attempt of the job this process belongs to: torchrun's restart count (0 at the first start and
+    outside torchrun)."""
+    try:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    except ValueError:
+        return 0
+
+
+def attempt_prefix() -> str:
+    """The key prefix of this attempt on the rendezvous store: every attempt writes and reads its own keys."""
+    return f"horizon/attempt{attempt()}/"
+
+
+def agent_store_kept() -> bool:
+    """Whether the rendezvous store outlives the worker processes: torchrun's agent serves it
+    (``TORCHELASTIC_USE_AGENT_STORE``), and with its static rendezvous the same store serves every restart."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
+def init_process_group(address: str, port: int, backend: str, rank: int, world_size: int,
+                       timeout: timedelta) -> bool:
+    """Start the default process group on a store of this attempt's own, where the store outlives an attempt
+    (``agent_store_kept``); ``False`` (nothing done: Lightning starts it) elsewhere.
+
+    torchrun's static rendezvous (``--max-restarts`` without ``--rdzv-backend``) hands every restart the same agent
+    store, and ``init_process_group(env://)`` writes its keys there without a prefix: gloo's full mesh of a restarted
+    attempt can read the address a rank of the previous attempt published (its process gone) before the new rank
+    overwrites it, and fails with ``connectFullMesh ... Connection refused``; the store barrier counts the previous
+    attempt's arrivals too. Under a prefix per attempt every key is fresh."""
+    if not agent_store_kept() or dist.is_initialized():
+        return False
+    client = dist.TCPStore(address, port, world_size=world_size, is_master=False, timeout=timeout)
+    store = dist.PrefixStore(attempt_prefix() + "pg", client)
+    log.debug(f"HorizonStrategy: process group of attempt {attempt()} on {address}:{port}")
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    return True
 
 
 def destroy_process_group_at_exit() -> None:
@@ -113,4 +153,5 @@ def report(topology: Topology, placement: list[dict[str, Any]], backend: Any, ra
     log.info(f"{table}\nhint: {cpu.ALLOCATOR_HINT}" if allocator_hint_due() else table)
 
 
-__all__ = ["all_gather_objects", "allocator_hint_due", "destroy_process_group_at_exit", "place", "report", "start", "startup_table"]
+__all__ = ["agent_store_kept", "all_gather_objects", "allocator_hint_due", "attempt", "attempt_prefix",
+           "destroy_process_group_at_exit", "init_process_group", "place", "report", "start", "startup_table"]

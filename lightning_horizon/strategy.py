@@ -170,7 +170,12 @@ class HorizonStrategy(DDPStrategy):
 
     @override
     def setup_distributed(self) -> None:
-        # one process too, as DDPStrategy: a DistributedSampler or torch.distributed call works unchanged
+        # one process too, as DDPStrategy: a DistributedSampler or torch.distributed call works unchanged; under
+        # torchrun's agent store on a store of this restart attempt's own (placement.init_process_group)
+        self.set_world_ranks()
+        placement.init_process_group(self.cluster_environment.main_address, self.cluster_environment.main_port,
+                                     self._get_process_group_backend(), self.global_rank, self.world_size,
+                                     self._timeout)
         super().setup_distributed()
         placement.destroy_process_group_at_exit()
 

@@ -1,14 +1,14 @@
 """Benchmark: an embedding table larger than memory, its rows on disk with the hot rows cached, against the same
 table in memory and against the same table in memory on a swap file.
 
-    python recipes/bench_embedding_disk.py                          # root: 110M rows x 16 (7 GiB) under 768 MiB
+    python recipes/bench_embedding_disk.py                          # root: 237M rows x 16 (15 GiB) under 1.5 GiB
     python recipes/bench_embedding_disk.py --zipf 0.8,1.0,1.2,uniform --steps 30
     python recipes/bench_embedding_disk.py --smoke                  # CI: 300k rows, a few steps, no limit, no swap
 
 The model is the risk model's shape: ``--fields`` hashed id fields per sample, each id a row of one table of
 ``--rows`` x ``--dim`` (fp32, row-wise Adagrad: 68 bytes a row with its state at dim 16), the rows summed per
 sample, a small MLP on top, a BCE loss; one process, the step written out (lookup, backward, the table's sparse
-step, AdamW on the MLP). The ids: row ranks drawn from a Zipf law of exponent ``--zipf`` (``uniform``: every row
+step, AdamW on the MLP); ``--prefill`` steps of a larger batch first fill the cache (every arm trains them). The ids: row ranks drawn from a Zipf law of exponent ``--zipf`` (``uniform``: every row
 alike), scattered over the table by a multiplicative hash, as hashed feature ids are.
 
 The arms, each a fresh process in a memory cgroup of its own (root; elsewhere without limits, said in the output):
@@ -47,7 +47,9 @@ from _bench import cgroup_stats, cpu_line, parse_common, parse_size, probe_cgrou
 
 ARMS = ("memory", "disk", "swap")
 MIB, GIB = 2**20, 2**30
-SMOKE = dict(rows=300_000, steps=3, warmup=1, batch=256, arms="memory,disk", limit="0", zipf="1.0")
+SMOKE = dict(rows=300_000, steps=3, warmup=1, batch=64, arms="memory,disk", limit="0", zipf="1.0", prefill=1,
+             cache=0.2)
+PREFILL_BATCHES = 16  #: a prefill step's batch, in batches
 
 
 # ---------------------------------------------------------------------------------------------- worker side
@@ -98,11 +100,13 @@ def worker(spec: dict[str, Any], out: str) -> None:
     t_start = time.perf_counter()
     counts = lambda c: (c.hits, c.misses, c.reads, c.writes) if c is not None else (0, 0, 0, 0)  # noqa: E731
     at_warmup = counts(None)
-    for step in range(spec["warmup"] + spec["steps"]):
-        if step == spec["warmup"]:
+    prefill = spec["prefill"]
+    for step in range(prefill + spec["warmup"] + spec["steps"]):
+        if step == prefill + spec["warmup"]:
             at_warmup = counts(table.disk)
-        ids = sample_ids(batch, fields, rows, spec["zipf"], g)
-        y = torch.randint(0, 2, (batch,), generator=g).float()
+        n = batch * PREFILL_BATCHES if step < prefill else batch
+        ids = sample_ids(n, fields, rows, spec["zipf"], g)
+        y = torch.randint(0, 2, (n,), generator=g).float()
         before, t0 = _io(), time.perf_counter()
         loss_t = F.binary_cross_entropy_with_logits(mlp(table(ids)).squeeze(1), y)
         opt.zero_grad()
@@ -112,7 +116,7 @@ def worker(spec: dict[str, Any], out: str) -> None:
         opt.step()
         t1, after = time.perf_counter(), _io()
         loss = float(loss_t)
-        if step >= spec["warmup"]:
+        if step >= prefill + spec["warmup"]:
             times.append(t1 - t0)
             io.append((after[0] - before[0], after[1] - before[1]))
         if time.perf_counter() - t_start > spec["budget_s"] and len(times) >= 1:
@@ -159,7 +163,8 @@ def _swap_off(path: Path) -> None:
 def run_arm(a: argparse.Namespace, arm: str, law: str, work: Path) -> dict[str, Any]:
     table_bytes = a.rows * (a.dim * 4 + 4)  # fp32 rows and their row-wise Adagrad accumulator
     spec = {"arm": arm, "rows": a.rows, "dim": a.dim, "fields": a.fields, "batch": a.batch, "zipf": law,
-            "steps": a.steps, "warmup": a.warmup, "cache": a.cache, "folder": str(work / "tables"),
+            "steps": a.steps, "warmup": a.warmup, "prefill": a.prefill, "cache": a.cache,
+            "folder": str(work / "tables"),
             "budget_s": a.timeout * 0.6}
     limit = parse_size(a.limit) or None
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)])}
@@ -189,16 +194,19 @@ def run_arm(a: argparse.Namespace, arm: str, law: str, work: Path) -> dict[str, 
 
 def main(argv: Optional[list[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rows", type=int, default=110_000_000, help="rows of the table (default: 7 GiB with its state)")
+    p.add_argument("--rows", type=int, default=237_000_000, help="rows of the table (default: 15 GiB with its state)")
     p.add_argument("--dim", type=int, default=16)
     p.add_argument("--fields", type=int, default=8, help="id fields per sample")
     p.add_argument("--batch", type=int, default=2048)
     p.add_argument("--zipf", default="1.0", help="comma-separated exponents, or 'uniform'")
     p.add_argument("--cache", type=float, default=0.05, help="the disk arm's cache, a share of the rows")
-    p.add_argument("--limit", default="768MiB", help="memory limit of the disk and swap arms (0: none)")
+    p.add_argument("--limit", default="1.5GiB", help="memory limit of the disk and swap arms (0: none)")
     p.add_argument("--arms", default=",".join(ARMS))
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--prefill", type=int, default=0,
+                   help=f"steps of {PREFILL_BATCHES}x the batch before the warm-up (trained alike in every arm): a"
+                        " cache of millions of rows fills in thousands of ordinary steps")
     a = parse_common(p, argv, SMOKE, worker, corpus=False)
     if a is None:
         return

@@ -63,14 +63,15 @@ FIXED = [
      "clip": {"where": "trainer", "algorithm": "norm", "value": 0.05}},
     # a sharded embedding table (embedding.md) whose per-sample weights come from a parameter: span="auto" (moved at
     # its first lookup, by the "slow" links), a schedule whose initial_lr is its own, a clip by the global norm, a
-    # resume on one rank; a copy per node (span="node") on 2 nodes x 2 with a codec on the rest, recompute and
-    # GradNormBackoff
+    # resume on one rank; a copy per node (span="node"), its rows on disk, on 2 nodes x 2 with a codec on the rest,
+    # recompute and GradNormBackoff
     {**simplest(2, seed=28), **_W2, "model": {**simplest()["model"], "bag": "auto", "groups": True,
                                               "bag_weights": True},
      "scheduler": {"name": "OneCycleLR", "interval": "step"}, "clip": {"where": "trainer", "algorithm": "norm",
                                                                         "value": 0.05},
      "resume": {"from": "during", "layout": "world1"}},
-    {**simplest(4, seed=29), **_W4, "model": {**simplest()["model"], "bag": "node", "bag_weights": True},
+    {**simplest(4, seed=29), **_W4, "model": {**simplest()["model"], "bag": "node", "bag_weights": True,
+                                              "bag_disk": True},
      "collectives": "hierarchical", "compression": "int8", "sharding": "forced", "backoff": {"max_norm": 0.05}},
 ]
 #: library defects found by the tester and not fixed yet: the example's index in FIXED -> the defect (none now;
@@ -117,7 +118,7 @@ def test_ci_examples_draw_every_capability_and_lifecycle_step():
         "optimization": {"automatic", "manual"}, "accumulate": {1, 2},
         "compression": {"None", "bf16", "int8"}, "sync_every": {1, 2, 3},
     }
-    wanted["model flags"] = {"bag", "compile", "bag_weights"}
+    wanted["model flags"] = {"bag", "compile", "bag_weights", "bag_disk"}
     for dim, values in wanted.items():
         assert values <= {k for k, v in c[dim].items() if v}, (dim, c[dim])
     lifecycle = {k for k, v in c["lifecycle"].items() if v}

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from lightning_horizon import rehearsal
 from lightning_horizon.checks import check_int, check_one_of, is_int, is_number, require
 from lightning_horizon.embedding import exchange
 from lightning_horizon.embedding.disk import DiskRows
@@ -266,6 +267,8 @@ class ShardedEmbeddingBag(nn.Module):
         and pinned while a gradient will refer to them)."""
         if self.disk is None:
             return local
+        if rehearsal.active():  # graph sharding's profile: any slot gives the shapes; the cache must not move
+            return torch.zeros_like(local)
         rows, inverse = torch.unique(local, return_inverse=True)
         return self.disk.ensure(rows, pin=torch.is_grad_enabled())[inverse]
 
@@ -404,6 +407,7 @@ class ShardedEmbeddingBag(nn.Module):
             slots = self.disk.ensure(rows, pin=False)
             self.optimizer.step(self.weight.data, self.optimizer_state, slots, grad.to(self.weight.dtype), lr)
             self.disk.mark_dirty(slots)
+            self.disk.settle()
             return
         self.optimizer.step(self.weight.data, self.optimizer_state, rows, grad.to(self.weight.dtype), lr)
 

@@ -35,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_horizon.checks import check_one_of
+from lightning_horizon.rehearsal import rehearsing
 from lightning_horizon.console import info_once
 from lightning_horizon.sharding.isolation import UserState, silenced, tensors_in
 
@@ -283,7 +284,7 @@ def _profile_once(module: nn.Module, batch: Any, batch_idx: int, fake: bool) -> 
         # force_eager: a torch.compile'd module runs eagerly here. Dynamo refuses a frame under a dispatch mode
         # (ours, the flop counter, FakeTensor) and marks its code "skip" for good: without this, the user's
         # compiled model would run eagerly for the whole fit, silently.
-        with torch.enable_grad(), silenced(module), torch.compiler.set_stance("force_eager"):
+        with rehearsing(), torch.enable_grad(), silenced(module), torch.compiler.set_stance("force_eager"):
             if fake_mode is not None:
                 fake_mode.__enter__()
             try:

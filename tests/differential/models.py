@@ -4,6 +4,7 @@ around a tiny network, its data, its optimizers and schedule. Hooks that change 
 
 from __future__ import annotations
 
+import tempfile
 from typing import Any
 
 import lightning as L
@@ -19,6 +20,9 @@ from lightning_horizon.embedding import ShardedEmbeddingBag, SparseSGD
 from tests.differential.space import SECOND_OPTIMIZERS
 
 VOCAB, SEQ, D, BATCH = 16, 4, 8, 4  # batch: per rank and micro-batch
+#: the table on disk: one row per pair of tokens, its seed, the rows each rank keeps in memory (a step looks up at
+#: most 2 micro-batches x 4 sequences x 3 pairs)
+BAG_PAIRS, BAG_SEED, BAG_CACHE = VOCAB * VOCAB, 11, 32
 #: calls of dynamo's compiled graphs in this process (model flag "compile"), by :func:`counting_backend`
 COMPILED_CALLS = [0]
 
@@ -72,14 +76,27 @@ class Block(nn.Module):
 class Zoo(nn.Module):
     """Tokens -> embedding -> a stack of blocks (a store's units, recompute's candidates) -> head."""
 
-    def __init__(self, m: dict) -> None:
+    def __init__(self, m: dict, dtype: torch.dtype = torch.float32) -> None:
+        """``dtype``: the fit's (a seeded table draws its rows in it when first used: its twin starts from them)."""
         super().__init__()
         # first: the module's first parameter, in the first optimizer (manual optimization splits them in two)
+        # on disk: a table of the token pairs (more rows than a step touches), seeded, a cache smaller than a rank's
+        # rows, so that rows are evicted between steps; "ddp"'s dense twin starts from the same rows and draws from
+        # the global generator what an unseeded table would, so the layers after it start alike too
+        self.pairs = bool(m.get("bag_disk"))
+        rows = BAG_PAIRS if self.pairs else VOCAB
         if m["bag"] == "dense":
-            self.bag = nn.EmbeddingBag(VOCAB, D, mode="sum")
+            self.bag = nn.EmbeddingBag(rows, D, mode="sum")
+            if self.pairs:
+                seeded = ShardedEmbeddingBag(rows, D, init_seed=BAG_SEED, dtype=dtype)
+                self.bag.weight = nn.Parameter(seeded.state_dict()["weight"])
         elif m["bag"]:
             span = m["bag"] if m["bag"] in ("node", "auto") else "world"
-            self.bag = ShardedEmbeddingBag(VOCAB, D, mode="sum", optimizer=SparseSGD(lr=None), span=span)
+            disk = {"init_seed": BAG_SEED, "rows_on_disk": tempfile.gettempdir(), "cache_rows": BAG_CACHE} \
+                if self.pairs else {}
+            self.bag = ShardedEmbeddingBag(rows, D, mode="sum", optimizer=SparseSGD(lr=None), span=span, **disk)
+            if self.pairs:
+                torch.empty(rows, D).normal_()  # what the dense twin's init draws
         self.emb = nn.Embedding(VOCAB, D)
         self.blocks = nn.ModuleList([Block(m["batchnorm"], m["dropout"]) for _ in range(2)])
         self.head = nn.Linear(D, VOCAB, bias=False)
@@ -87,13 +104,14 @@ class Zoo(nn.Module):
             self.head.weight = self.emb.weight  # tied input/output embedding
             self.blocks[1].fc.weight = self.blocks[0].fc.weight  # and two hidden layers
         if m.get("bag_weights") and hasattr(self, "bag"):
-            self.gain = nn.Parameter(torch.linspace(0.5, 1.5, VOCAB))  # a learned weight per token id, for the bag
+            self.gain = nn.Parameter(torch.linspace(0.5, 1.5, rows))  # a learned weight per bag id
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.emb(x)
         if hasattr(self, "bag"):
-            weights = self.gain[x] if hasattr(self, "gain") else None
-            h = h + self.bag(x, per_sample_weights=weights).unsqueeze(1)  # the sequence's bag, at every position
+            ids = x[:, :-1] * VOCAB + x[:, 1:] if self.pairs else x
+            weights = self.gain[ids] if hasattr(self, "gain") else None
+            h = h + self.bag(ids, per_sample_weights=weights).unsqueeze(1)  # the sequence's bag, at every position
         for b in self.blocks:
             h = b(h)
         return self.head(h)
@@ -108,7 +126,7 @@ class Subject(L.LightningModule):
         self.automatic_optimization = ex["optimization"] == "automatic"
         kind = self.m["kind"]
         if kind == "zoo":
-            self.net = Zoo(self.m)
+            self.net = Zoo(self.m, torch.float64 if ex["precision"] == "64-true" else torch.float32)
         elif kind == "transformer":
             self.net = Transformer(vocab_size=VOCAB, ninp=D, nhead=2, nhid=16, nlayers=1,
                                    dropout=0.1 if self.m["dropout"] else 0.0)

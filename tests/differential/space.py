@@ -21,11 +21,12 @@ MODEL_KINDS = ("zoo", "transformer", "boring")  # zoo: ours (tokens, blocks); Li
 #: a dense nn.EmbeddingBag in its place, tests/differential/models.py); True spreads it over the world, "node" over
 #: each node's ranks (a copy per node), "auto" lets its first lookup choose (with the example's cost model);
 #: "bag_weights": the bag's per_sample_weights come from a parameter (a learned weight per token id), so their
-#: gradient comes back from the rows' owners;
+#: gradient comes back from the rows' owners; "bag_disk": the bag's rows on disk (rows_on_disk, a cache smaller than
+#: a rank's rows: evictions between steps), a table of token pairs;
 #: "compile": the network's blocks (the whole network for the demo models) under torch.compile, a counting backend
 #: that runs dynamo's graphs eagerly (no inductor: the same bits), and the fit must run them
 MODEL_FLAGS = ("tied", "frozen", "never", "sometimes", "batchnorm", "dropout", "groups", "bag", "compile",
-               "bag_weights")
+               "bag_weights", "bag_disk")
 
 #: torch.optim, every class with state a user would pick, each with the variants that change its state or arithmetic
 OPTIMIZERS: dict[str, list[dict]] = {
@@ -146,6 +147,7 @@ def draw(seed: int, world: int) -> dict:
     ex["model"]["bag"] = span if bag else False
     ex["model"]["compile"] = coin(0.15)
     ex["model"]["bag_weights"] = coin(0.5)
+    ex["model"]["bag_disk"] = coin(0.4)
     ex["ckpt_at"] = _pick(rng, CKPT_STEPS)
     new_world = rng.choice(REGRID_WORLDS[world])
     if ex["resume"] is not None and coin(0.3):
@@ -316,7 +318,7 @@ def constrain(ex: dict) -> dict:
     if m["kind"] != "zoo":
         m["bag"] = False  # the zoo's tokens are its ids
     if not m["bag"]:
-        m["bag_weights"] = False  # an option of the bag
+        m["bag_weights"] = m["bag_disk"] = False  # options of the bag
     if m["bag"]:
         # the table steps with SparseSGD at its group's lr: the same as "ddp"'s dense table under plain SGD
         # (embedding.md); it is the module's first parameter, so in the first optimizer
@@ -352,7 +354,7 @@ def _constrain_position(ex: dict) -> dict:
             r["from"], ex["ckpt_during"] = "during", True
             ex.update(precision="64-true", compression=None, sync_every=1, outer="average", overlap=False,
                       skip_batch=None)
-            m.update(dropout=False, batchnorm=False, bag=False, bag_weights=False)
+            m.update(dropout=False, batchnorm=False, bag=False, bag_weights=False, bag_disk=False)
             if ex["collectives"] != "auto":
                 ex["cost_model"] = None  # the table's span="auto" needed it, the table is gone
     elif r is not None:

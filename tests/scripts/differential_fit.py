@@ -141,7 +141,14 @@ def whole_tables(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> di
     """``weights`` with each sharded table whole (every rank's rows, gathered to every rank): as "ddp" holds it.
     Ranks 0 .. n-1 hold one copy's rows in order (the world's, or under span="node" node 0's n ranks)."""
     for name, table in tables_of(model).items():
-        if table.placed:
+        if table.rows_on_disk is not None:  # its Parameter is the cache: the rows are in its state dict
+            whole = table.state_dict()["weight"].clone()  # collective: whole on the first rank of the copy
+            if table.placed:
+                shards = [None] * dist.get_world_size()
+                dist.all_gather_object(shards, whole)
+                whole = shards[0]
+            weights[f"{name}.weight"] = whole
+        elif table.placed:
             shards: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(shards, table.weight.detach())
             weights[f"{name}.weight"] = torch.cat(shards[:table.world])

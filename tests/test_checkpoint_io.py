@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import lightning as L
+import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -17,9 +18,11 @@ from tests.launch import REPO
 from tests.scripts.fit import TinyLM, data
 
 
-def test_kill_during_large_save_leaves_previous_checkpoint_intact(tmp_path):
+@pytest.mark.parametrize("mode", ["in_step", "background"])
+def test_kill_during_large_save_leaves_previous_checkpoint_intact(tmp_path, mode):
     target = tmp_path / "last.ckpt"
-    proc = subprocess.Popen([sys.executable, str(REPO / "tests/scripts/save_then_die.py"), str(target)],
+    extra = ["background"] if mode == "background" else []
+    proc = subprocess.Popen([sys.executable, str(REPO / "tests/scripts/save_then_die.py"), str(target), *extra],
                             stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
                             start_new_session=True)
     try:
@@ -108,3 +111,74 @@ def test_remote_path_goes_to_lightnings_own_io(tmp_path, monkeypatch):
     io.save_checkpoint({"w": torch.arange(4.0)}, url)
     assert torch.equal(io.load_checkpoint(url)["w"], torch.arange(4.0))
     assert list(tmp_path.iterdir()) == []  # no local "memory:" folder
+
+
+def test_background_save_writes_the_state_of_the_moment_it_was_asked(tmp_path):
+    io = AtomicCheckpointIO(background=True)
+    w = torch.zeros(1 << 20)
+    io.save_checkpoint({"w": w, "step": 1}, tmp_path / "a.ckpt")
+    w += 1  # the next optimizer step, while the write may still run
+    io.save_checkpoint({"w": w, "step": 2}, tmp_path / "b.ckpt")
+    io.remove_checkpoint(tmp_path / "a.ckpt")  # behind the writes before it: never races one in flight
+    io.teardown()
+    assert not (tmp_path / "a.ckpt").exists()
+    b = torch.load(tmp_path / "b.ckpt")
+    assert b["step"] == 2 and torch.equal(b["w"], torch.ones(1 << 20))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.ckpt"]  # no temporary file left
+
+
+def test_a_background_write_that_fails_fails_the_job(tmp_path, monkeypatch):
+    io = AtomicCheckpointIO(background=True)
+    io.save_checkpoint({"w": torch.ones(3)}, tmp_path / "good.ckpt")
+    io.wait()
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    io.save_checkpoint({"w": torch.zeros(3)}, tmp_path / "good.ckpt")  # returns: the write runs on the thread
+    with pytest.raises(RuntimeError, match="background checkpoint write failed: .*No space left"):
+        io.save_checkpoint({"w": torch.zeros(3)}, tmp_path / "next.ckpt")  # the next save raises it
+    monkeypatch.undo()
+    assert torch.equal(torch.load(tmp_path / "good.ckpt")["w"], torch.ones(3))  # the previous one is intact
+    monkeypatch.setattr(torch, "save", disk_full)
+    io.save_checkpoint({"w": torch.zeros(3)}, tmp_path / "good.ckpt")
+    with pytest.raises(RuntimeError, match="No space left"):
+        io.teardown()  # the fit's end raises it too
+
+
+def _background(root, steps):
+    ckpt = ModelCheckpoint(dirpath=root / "ckpt", save_last=True, every_n_train_steps=1, save_top_k=2, monitor="step",
+                           mode="max")
+    return L.Trainer(accelerator="cpu", devices=1, strategy=HorizonStrategy(checkpoint_io=AtomicCheckpointIO(
+        background=True)), max_steps=steps, max_epochs=-1, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=root, callbacks=[ckpt])
+
+
+def test_background_checkpoints_in_a_fit_keep_top_k_and_resume_exactly(tmp_path):
+    """ModelCheckpoint saves every step and removes older files while writes are in flight; the resume is exact."""
+    loader = lambda: torch.utils.data.DataLoader(data(), batch_size=64, shuffle=True)  # noqa: E731
+    L.seed_everything(3, verbose=False)
+    straight = TinyLM()
+    _trainer(tmp_path / "a", 12).fit(straight, loader())
+    L.seed_everything(3, verbose=False)
+    first = TinyLM()
+    _background(tmp_path / "b", 6).fit(first, loader())  # stops mid-epoch
+    names = sorted(p.name for p in (tmp_path / "b" / "ckpt").iterdir())
+    assert len(names) == 3 and "last.ckpt" in names, names  # top 2 by step, and last: nothing leaked or lost
+    L.seed_everything(3, verbose=False)
+    resumed = TinyLM()
+    _background(tmp_path / "b", 12).fit(resumed, loader(), ckpt_path="last")
+    for a, b in zip(straight.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_bench_checkpoint_smoke(tmp_path):
+    sys.path.insert(0, str(REPO / "recipes"))
+    import bench_checkpoint
+
+    result = bench_checkpoint.main(["--smoke", "--json", str(tmp_path / "r.json")])
+    assert set(result["median_tokens_per_s"]) == {"none", "background", "sync"}
+    assert all(v > 0 for v in result["median_tokens_per_s"].values())
+    assert set(result["cost"]) == {"background", "sync"}
+    assert all(f["checkpoint_mb"] > 0 for f in result["fits"] if f["arm"] != "none")

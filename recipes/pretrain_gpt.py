@@ -10,9 +10,14 @@
 
 The command line is LightningCLI: the options are the signatures of ``GPTPretrain`` (model and optimizer),
 ``ByteCorpusDataModule`` (data) and the Trainer, plus one section per always-on callback (``backoff``,
-``throughput``, ``memory``, ``comm``, ``checkpoint``, ``report``). Defaults: HorizonStrategy, HorizonPrecision("auto")
-(bf16 matmuls only where the CPU has native bf16), GradNormBackoff, a CSV logger and checkpoints (``last.ckpt``)
-under ``trainer.default_root_dir``. At the end it prints tokens/s and the final validation perplexity, and writes
+``throughput``, ``memory``, ``comm``, ``checkpoint``, ``preemption``, ``report``). Defaults: HorizonStrategy,
+HorizonPrecision("auto") (bf16 matmuls only where the CPU has native bf16), GradNormBackoff, a CSV logger and
+checkpoints (``last.ckpt``) under ``trainer.default_root_dir``, written in the background (a snapshot in memory, the
+atomic write on a thread while the next steps run), and PreemptionCheckpoint (a SIGTERM writes ``last.ckpt`` at the
+next step's end on every rank, then the fit ends). Recovery without a person (docs/reliability.md):
+
+    torchrun --nproc-per-node 2 --max-restarts 3 recipes/pretrain_gpt.py fit --config recipes/configs/small.yaml \
+        --ckpt_path last --checkpoint.every_n_train_steps 10 At the end it prints tokens/s and the final validation perplexity, and writes
 ``loss_curve.png`` next to the logs.
 
 The layout (ranks x threads per rank) is this model's tuned one on this machine (``python -m lightning_horizon.tune``,
@@ -46,7 +51,8 @@ from gpt import GPT, GPTConfig
 from lm_data import VOCAB_SIZE, ByteCorpusDataModule
 from report import TrainingReport
 
-from lightning_horizon import CommMonitor, GradNormBackoff, MemoryMonitor, ThroughputMFUMonitor
+from lightning_horizon import (AtomicCheckpointIO, CommMonitor, GradNormBackoff, MemoryMonitor, PreemptionCheckpoint,
+                               ThroughputMFUMonitor)
 
 log = logging.getLogger("lightning_horizon.recipes")
 
@@ -204,6 +210,7 @@ class HorizonCLI(LightningCLI):
         parser.add_lightning_class_args(MemoryMonitor, "memory")
         parser.add_lightning_class_args(CommMonitor, "comm")
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.add_lightning_class_args(PreemptionCheckpoint, "preemption")
         parser.add_lightning_class_args(TrainingReport, "report")
         parser.set_defaults({
             "checkpoint.save_last": True,
@@ -226,6 +233,13 @@ class HorizonCLI(LightningCLI):
         taken = auto_layout(cfg, GPTPretrain, "recipes/pretrain_gpt.py")
         if taken:
             log.info("pretrain_gpt: %s", taken)
+
+    def after_instantiate_classes(self) -> None:
+        super().after_instantiate_classes()
+        # the recipe's checkpoints in the background: a checkpoint every 10 steps costs little (docs/reliability.md)
+        io = getattr(self.trainer.strategy, "checkpoint_io", None) if getattr(self, "trainer", None) else None
+        if type(io) is AtomicCheckpointIO and not io.background:
+            io.background = True
 
 
 def main(args: Optional[list[str]] = None, run: bool = True) -> HorizonCLI:

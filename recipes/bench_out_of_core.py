@@ -235,6 +235,8 @@ def run_arm(arm: str, batch: int, a: argparse.Namespace, budget: int, root: Path
     env = clean_env()  # a clean shell, as tune's workers
     env.pop("GLIBC_TUNABLES", None)
     env.update({OUT_ENV: f"{out}.timer.json", WARMUP_ENV: str(a.warmup), **MALLOC[a.malloc]})
+    if arm == "swap":  # what a user with a swap file tells the memory check: the limit and the swap count
+        env["HORIZON_AVAILABLE_MEMORY"] = str(budget + a.swap_bytes)
     try:
         # the ram arm: no limit but --ram-limit (a guard for the machine); swap: the budget and swap beyond it
         limit = (budget if (prefetch or arm == "swap") and a.enforce else a.ram_limit if arm == "ram" else None)

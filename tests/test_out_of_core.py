@@ -10,7 +10,10 @@ reserved there is, to the byte, what the first step creates (the optimizer state
 fits itself to the space left; fits sharing a folder, one after another or at once, each work in a subfolder of
 their own and leave the folder; gradient accumulation with parameters that get no gradient in some micro-batches is
 bitwise the RAM fit; a skipped step leaves the store's bytes untouched; peak memory stays a layer's worth above the
-process, where the RAM fit holds the whole state.
+process, where the RAM fit holds the whole state. A model declared on the meta device (the recipe GPT, a Hugging
+Face Llama) is built into the store with the in-RAM init and generator bit for bit and trains to the RAM fit's
+weights; it checkpoints and resumes without being built, loads for inference and converts to safetensors; a model
+built whole that cannot fit fails at setup in one line (under a memory cgroup where one can be made).
 """
 
 from __future__ import annotations
@@ -89,6 +92,9 @@ def test_refused_by_name(kwargs, names):
     ({"readers": True}, ("StoreConfig(readers=True)", ">= 1")),
     ({"probe_bytes": 4096}, ("StoreConfig(probe_bytes=4096)", "0 (no disk probe)", "1048576")),
     ({"probe_bytes": False}, ("StoreConfig(probe_bytes=False)", "int >= 0")),
+    ({"pretrained": 5}, ("StoreConfig(pretrained=5)", "safetensors file's path")),
+    ({"pretrained": ()}, ("StoreConfig(pretrained=())", "a tuple of paths")),
+    ({"pretrained_prefix": 1}, ("StoreConfig(pretrained_prefix=1)", "a str")),
 ])
 def test_config_refused_by_name(kwargs, names):
     with pytest.raises(ValueError) as err:

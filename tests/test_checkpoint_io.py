@@ -178,7 +178,7 @@ def test_bench_checkpoint_smoke(tmp_path):
     import bench_checkpoint
 
     result = bench_checkpoint.main(["--smoke", "--json", str(tmp_path / "r.json")])
-    assert set(result["median_tokens_per_s"]) == {"none", "background", "sync"}
-    assert all(v > 0 for v in result["median_tokens_per_s"].values())
-    assert set(result["cost"]) == {"background", "sync"}
-    assert all(f["checkpoint_mb"] > 0 for f in result["fits"] if f["arm"] != "none")
+    assert [f["arm"] for f in result["fits"]] == ["background", "sync"]
+    for fit in result["fits"]:
+        assert fit["pairs"] >= 2 and fit["cost"] is not None and fit["tokens_per_s_without"] > 0
+        assert fit["checkpoint_mb"] > 0

@@ -17,8 +17,9 @@ PreemptionCheckpoint, and ``ckpt_path="last"``: every restart resumes from the l
 names it, kills it, and ends the job with exit 75: torchrun restarts it; the emulated nodes share one host, so the
 peer can kill the stopped process, which on separate hosts its own node's launcher must do).
 
-Figures: goodput, the tokens/s of the steps that count (the last step reached at the end: a step lost to a fault and
-trained again counts once) over the whole wall time, start-up included, against the same run without faults
+Each run lasts its minutes from its first step's end (the start-up before it is the same in both runs and not
+measured; ``--timeout`` bounds it). Figures: goodput, the tokens/s of the steps that count (the last step reached at
+the end: a step lost to a fault and trained again counts once) over the run's minutes, against the same run without faults
 (``--baseline-minutes``, default the same minutes); per fault: the steps lost (trained after the last checkpoint and
 trained again) and the seconds from the fault to the next step that moves the run beyond where it was (the
 restart, the resume and the steps trained again), and to the first step after the restart.
@@ -102,6 +103,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def children(parents: set[int]) -> list[int]:
+    """Every descendant of ``parents`` (read from /proc: the ranks of a torchrun agent, in sessions of their own)."""
+    ppid = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    found, frontier = [], set(parents)
+    while frontier:
+        frontier = {pid for pid, parent in ppid.items() if parent in frontier}
+        found.extend(frontier)
+    return found
+
+
 def run_job(a: argparse.Namespace, minutes: float, faults: bool, ns: Optional[Namespaces], work: Path) -> dict:
     """One job for ``minutes``: two torchrun agents (one per emulated node), the faults sent; every process killed at
     the end. Returns the steps each rank logged and the faults sent."""
@@ -127,15 +145,20 @@ def run_job(a: argparse.Namespace, minutes: float, faults: bool, ns: Optional[Na
         env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "PYTHONPATH": str(REPO), **extra}
         log = open(work / f"node{node}.log", "w")
         procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-    start = time.time()
+    launched = time.time()
+    start = None  # the first step's end: the run's minutes count from there (start-up is not measured)
     sent = []
     kinds = [k for k in a.faults.split(",") if k]
+    log0 = work / "steps.rank0.jsonl"
     try:
-        next_fault = start + a.fault_every
-        while time.time() < start + 60 * minutes:
+        next_fault = float("inf")
+        while time.time() < (start + 60 * minutes if start else launched + a.timeout):
             time.sleep(0.2)
             if any(p.poll() is not None for p in procs):
                 break  # an agent ended: out of restarts, or a failure it does not restart
+            if start is None and log0.exists() and log0.stat().st_size > 0:
+                start = json.loads(log0.read_text().splitlines()[0])["t"]
+                next_fault = start + a.fault_every
             if faults and time.time() >= next_fault:
                 rank, kind = len(sent) % 2, kinds[len(sent) % len(kinds)]
                 pid_file = work / f"pid.rank{rank}"
@@ -151,31 +174,33 @@ def run_job(a: argparse.Namespace, minutes: float, faults: bool, ns: Optional[Na
                 next_fault = time.time() + a.fault_every
         end = time.time()
     finally:
+        # torchrun starts each rank in a session of its own: the agents' children first, then the agents' groups
+        for pid in children({p.pid for p in procs}) + [f["pid"] for f in sent]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         for p in procs:
             try:
                 os.killpg(p.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
             p.wait()
-        for f in sent:  # a stopped rank is in the agent's group: killed with it; nothing else of ours is left
-            try:
-                os.kill(f["pid"], signal.SIGKILL)
-            except ProcessLookupError:
-                pass
     steps = []
     path = work / "steps.rank0.jsonl"
     if path.exists():
         steps = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     tokens_per_step = int(data["batch_size"]) * int(data["seq_len"]) * 2
-    return {"start": start, "end": end, "steps": steps, "faults": sent, "tokens_per_step": tokens_per_step,
+    return {"start": start or end, "end": end, "steps": steps, "faults": sent, "tokens_per_step": tokens_per_step,
             "codes": [p.returncode for p in procs]}
 
 
 def figures(job: dict) -> dict[str, Any]:
-    steps, wall = job["steps"], job["end"] - job["start"]
+    steps, wall = job["steps"], max(1e-9, job["end"] - job["start"])
     reached = max((s["step"] for s in steps), default=0)
+    counted = reached - (steps[0]["step"] if steps else 0)  # from the first step's end, as the wall time
     out: dict[str, Any] = {"wall_s": wall, "steps": reached, "trained": len(steps),
-                           "goodput": reached * job["tokens_per_step"] / wall, "faults": []}
+                           "goodput": counted * job["tokens_per_step"] / wall, "faults": []}
     for f in job["faults"]:
         before = [s for s in steps if s["t"] <= f["t"]]
         after = [s for s in steps if s["t"] > f["t"]]
@@ -212,6 +237,11 @@ def restart_tries(a: argparse.Namespace, work: Path) -> dict[str, Any]:
             except subprocess.TimeoutExpired:
                 return -1
             finally:
+                for pid in children({p.pid}):
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
                 try:
                     os.killpg(p.pid, signal.SIGKILL)
                 except ProcessLookupError:
@@ -259,7 +289,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--no-netns", action="store_true", help="both nodes on loopback")
     p.add_argument("--restart-tries", type=int, default=0, help="run N restart tries instead (module docstring)")
     p.add_argument("--control", action="store_true", help="with --restart-tries: the unprefixed store too")
-    p.add_argument("--timeout", type=float, default=300, help="seconds per restart try")
+    p.add_argument("--timeout", type=float, default=300, help="seconds per restart try, or for a run's start-up")
     p.add_argument("--json", default=None)
     p.add_argument("--keep", default=None, help="a folder that keeps the runs' logs and checkpoints")
     p.add_argument("--smoke", action="store_true", help="tiny settings for CI (explicit options still win)")

@@ -6,7 +6,9 @@ CONFIG: {"out": DIR, "steps": N, "samples": S, "every": K (checkpoint every K st
 ``stop`` SIGSTOPs it there (the heartbeat ends the job with exit 75; torchrun restarts it), ``term`` has the victim
 send SIGTERM to torchrun's agent (a preemption: the agent forwards it to every rank and ends without a restart).
 Every attempt resumes from ``ckpt_path="last"``. Each rank appends ``{"attempt", "step", "rank"}`` per trained step to
-DIR/steps.jsonl; rank 0 writes the final parameters to DIR/final.pt and, after a SIGTERM, DIR/preempted.json.
+DIR/steps.jsonl; rank 0 writes the final parameters to DIR/final.pt (not after a SIGTERM: Lightning ends the process).
+``unprefixed``: the rendezvous store used as before attempts had their own keys (the control arm of
+recipes/bench_faults.py's restart tries).
 """
 
 from __future__ import annotations
@@ -84,11 +86,8 @@ def main(cfg: dict) -> None:
         callbacks=[preempt, ckpt], max_steps=cfg["steps"], max_epochs=-1, logger=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=out, enable_checkpointing=True)
     trainer.fit(model, DataLoader(data, batch_size=4, shuffle=True), ckpt_path="last")
-    if trainer.global_rank == 0:
-        if preempt.stopped_at is not None:
-            (out / "preempted.json").write_text(json.dumps({"step": preempt.stopped_at, "path": preempt.path}))
-        else:
-            torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out / "final.pt")
+    if trainer.global_rank == 0:  # a fit ended by SIGTERM does not come back here: Lightning ends the process
+        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out / "final.pt")
     print(f"rank {trainer.global_rank}: attempt {ATTEMPT} ended at step {trainer.global_step}", flush=True)
 
 

@@ -13,6 +13,7 @@ from lightning_horizon import console as _console
 from lightning_horizon.checkpoint_io import AtomicCheckpointIO
 from lightning_horizon.callbacks import CommMonitor, GradNormBackoff, MemoryMonitor, ThroughputMFUMonitor
 from lightning_horizon.collectives import CollectivesConfig, CostModel, Link
+from lightning_horizon.embedding import ShardedEmbeddingBag
 from lightning_horizon.precision import HorizonPrecision
 from lightning_horizon.preemption import PreemptionCheckpoint
 from lightning_horizon.sharding import ShardingConfig
@@ -44,6 +45,7 @@ __all__ = [
     "MemoryMonitor",
     "PreemptionCheckpoint",
     "ProcessGroups",
+    "ShardedEmbeddingBag",
     "ShardingConfig",
     "StoreConfig",
     "ThroughputMFUMonitor",

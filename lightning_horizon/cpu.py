@@ -336,4 +336,4 @@ def release_freed_memory() -> None:
 
 
 # one short line in the startup table; the commands are in docs/strategy.md#allocator
-ALLOCATOR_HINT = "glibc malloc: jemalloc with our settings keeps less memory, see docs/strategy.md#allocator"
+ALLOCATOR_HINT = "malloc is glibc's; jemalloc (LD_PRELOAD) keeps less memory: docs/strategy.md#allocator"

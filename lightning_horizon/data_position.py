@@ -45,8 +45,11 @@ from lightning.pytorch.utilities.data import _update_dataloader
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, Sampler, SequentialSampler
 
-#: what a loader's state holds (the format's version travels with it)
+#: what a loader's state holds (the format's version travels with it, under this key)
 VERSION = 1
+MARK = "horizon_data_position"
+#: where a checkpoint keeps the fit loop's loader states while one of them is a position of this room's
+SAVED_AS = "horizon_loader_states"
 
 
 class PositionSampler(DistributedSampler):
@@ -144,7 +147,7 @@ class LoaderPosition:
     def state_dict(self) -> dict[str, Any]:
         progress = self.trainer.fit_loop.epoch_loop.batch_progress
         done = progress.current.processed  # batches whose training step finished: the loop resumes after them
-        state = {"version": VERSION, "epoch": self.sampler.epoch, "batches": done - self._origin,
+        state = {MARK: VERSION, "epoch": self.sampler.epoch, "batches": done - self._origin,
                  "loop_batches": done, "global_batch": self.global_batch, "world_size": self.sampler.num_replicas,
                  "samples": len(self.sampler.dataset)}
         if progress.is_last_batch:  # the epoch is over: the next one starts at its first batch
@@ -154,7 +157,7 @@ class LoaderPosition:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("version") != VERSION:
+        if state.get(MARK) != VERSION:
             raise ValueError(f"HorizonStrategy: the checkpoint's data position {state!r} is not one this version"
                              f" reads (version {VERSION})")
         if state["samples"] != len(self.sampler.dataset):
@@ -283,6 +286,28 @@ class DataPositions:
         # before the loop's own set_epoch (a resumed epoch would take epoch 0's order)
         _set_sampler_epoch(dataloader, trainer.fit_loop.epoch_progress.current.processed)
         return consumed(positioned(dataloader, trainer), trainer)
+
+    @staticmethod
+    def portable(checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """``checkpoint`` as plain Lightning resumes it too: Lightning's fit loop refuses a checkpoint with more
+        loader states than its loaders have, and under another strategy a positioned loader is a plain one. The
+        fit loop's list is kept whole under :data:`SAVED_AS` (read back by :meth:`restored`), with only the states
+        of loaders stateful by themselves (a ``StatefulDataLoader``) left where Lightning reads them."""
+        fit = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
+        states = fit.get("combined_loader") or []
+        if not any(isinstance(s, dict) and MARK in s for s in states):
+            return checkpoint
+        fit = {**fit, "combined_loader": [s for s in states if not (isinstance(s, dict) and MARK in s)]}
+        loops = {**checkpoint["loops"], "fit_loop": {**checkpoint["loops"]["fit_loop"], "state_dict": fit}}
+        return {**checkpoint, "loops": loops, SAVED_AS: states}
+
+    @staticmethod
+    def restored(checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """The fit loop's loader states of a checkpoint :meth:`portable` wrote, back where Lightning reads them."""
+        states = checkpoint.pop(SAVED_AS, None)
+        if states is not None:
+            checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"] = states
+        return checkpoint
 
     def train_starts(self, trainer: Any) -> None:
         """At ``on_train_start`` (the loop restored, its iterator not yet drawn from): a training loader made during

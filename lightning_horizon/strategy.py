@@ -352,7 +352,7 @@ class HorizonStrategy(DDPStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         self._beat("checkpoint write")
         self.checkpoints.before_write(checkpoint, filepath)  # every rank: the parts' per-rank state to rank 0
-        super().save_checkpoint(checkpoint, filepath, storage_options)
+        super().save_checkpoint(self.data_positions.portable(checkpoint), filepath, storage_options)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -362,7 +362,7 @@ class HorizonStrategy(DDPStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        checkpoint = self.checkpoints.after_read(checkpoint, checkpoint_path)
+        checkpoint = self.checkpoints.after_read(self.data_positions.restored(checkpoint), checkpoint_path)
         if self._restore_after_setup and self.model is not None:
             self.parts.after_setup()  # read after setup (a model the store built): the loaded states apply now
         return checkpoint

@@ -18,9 +18,8 @@ FENCE = re.compile(r"^```python[^\n]*\n(.*?)^```", re.S | re.M)
 
 # Placeholders a snippet may use for what the user already has (their module, their data, a step's
 # arguments) without defining it; everything else must be imported or assigned in the snippet.
-USER_OBJECTS = {"model", "datamodule", "self", "batch", "batch_idx", "train_loader", "val_loader", "dataloader"}
-# Pages under rewrite elsewhere: their incomplete snippets are expected failures (xfail, not strict) until then.
-PENDING = {"docs/reliability.md"}
+USER_OBJECTS = {"model", "datamodule", "data", "self", "batch", "batch_idx", "train_loader", "val_loader",
+                "dataloader"}
 
 
 def snippets():
@@ -82,8 +81,6 @@ def check(source):
 @pytest.mark.parametrize("page,line,source", list(snippets()))
 def test_snippet_is_complete(page, line, source):
     faults = check(source)
-    if faults and str(page.relative_to(ROOT)) in PENDING:
-        pytest.xfail(f"{page.relative_to(ROOT)} line {line}: " + "; ".join(faults))
     assert not faults, f"{page.relative_to(ROOT)} line {line}: " + "; ".join(faults)
 
 

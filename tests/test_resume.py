@@ -87,6 +87,9 @@ def resumes(tmp_path_factory):
             _job(work, "four", 4, [_run(work, "ref4_stop", 4, 2, BATCH // 2, stop_at=STOP, **F64),
                                    cross["w2_to_w4"]]),
             _job(work, "two_again", 2, [cross["w4_to_w2"]]),
+            # plain Lightning ("ddp") resumes a mid-epoch checkpoint of HorizonStrategy's (its loader restarts the epoch)
+            _job(work, "lightning", 2, [_run(work, "ddp_resumed", 2, 1, BATCH, resume_from="plain_stop",
+                                             lightning_ddp=True, **KINDS["plain"])]),
             _job(work, "one", 1, [cross["w2_to_w1"], cross["w2_to_w1_batch4"]])]
     ended, output = run_worlds(jobs, work, timeout=400)
     for job in jobs:
@@ -151,7 +154,21 @@ def test_resume_into_another_world_size_keeps_the_sample_order(resumes, name):
 def test_no_loader_restarts_its_epoch(resumes):
     _, ended = resumes
     for tag, job in ended.items():  # neither Lightning's warning nor ours: every loader resumed where it stood
+        if tag == "lightning":
+            continue
         assert "dataloader is not resumable" not in job["log"] and "holds no position" not in job["log"], tag
+
+
+def test_plain_lightning_resumes_a_checkpoint_of_ours(resumes):
+    """A mid-epoch checkpoint written under HorizonStrategy, resumed under Lightning's own "ddp": it loads (Lightning
+    refuses loader states its loaders cannot take) and goes on from the saved step, its loader restarting the epoch
+    as Lightning's does, with Lightning's warning."""
+    result, ended = resumes
+    assert "dataloader is not resumable" in ended["lightning"]["log"].replace("\n", " ")
+    for rank in range(2):
+        resumed, weights = result("ddp_resumed", rank)
+        assert resumed["rows"][0]["step"] == STOP and resumed["global_step"] == STEPS
+        assert all(torch.isfinite(w).all() for w in weights.values())
 
 
 def test_another_global_batch_is_named(resumes):

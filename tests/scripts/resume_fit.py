@@ -133,8 +133,9 @@ def fit(run: dict, out: Path) -> None:
     L.seed_everything(11, verbose=False)
     torch.set_default_dtype(torch.float64 if run.get("precision") == "64-true" else torch.float32)
     model = Model(run)
-    strategy = HorizonStrategy(ranks_per_node=run["ranks_per_node"], threads_per_rank=1, timeout=60,
-                               **run.get("strategy", {}))
+    strategy = ("ddp" if run.get("lightning_ddp") else  # plain Lightning, resuming a checkpoint of HorizonStrategy's
+                HorizonStrategy(ranks_per_node=run["ranks_per_node"], threads_per_rank=1, timeout=60,
+                                **run.get("strategy", {})))
     ckpt = ModelCheckpoint(dirpath=run["ckpt_dir"], save_last=True, every_n_train_steps=1, save_top_k=0)
     trainer = L.Trainer(
         accelerator="cpu", devices=run["devices"], strategy=strategy, precision=run.get("precision", "32-true"),

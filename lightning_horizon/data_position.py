@@ -48,8 +48,8 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Rando
 #: what a loader's state holds (the format's version travels with it, under this key)
 VERSION = 1
 MARK = "horizon_data_position"
-#: where a checkpoint keeps the fit loop's loader states while one of them is a position of this room's
-SAVED_AS = "horizon_loader_states"
+#: the key, in the strategy's entry of a checkpoint, of the fit loop's loader states where one is a position
+LOADER_STATES = "loader_states"
 
 
 class PositionSampler(DistributedSampler):
@@ -288,23 +288,24 @@ class DataPositions:
         return consumed(positioned(dataloader, trainer), trainer)
 
     @staticmethod
-    def portable(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    def portable(checkpoint: dict[str, Any], under: str) -> dict[str, Any]:
         """``checkpoint`` as plain Lightning resumes it too: Lightning's fit loop refuses a checkpoint with more
         loader states than its loaders have, and under another strategy a positioned loader is a plain one. The
-        fit loop's list is kept whole under :data:`SAVED_AS` (read back by :meth:`restored`), with only the states
-        of loaders stateful by themselves (a ``StatefulDataLoader``) left where Lightning reads them."""
+        fit loop's list is kept whole in the strategy's own entry ``under`` (read back by :meth:`restored`), with
+        only the states of loaders stateful by themselves (a ``StatefulDataLoader``) left where Lightning reads
+        them."""
         fit = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
         states = fit.get("combined_loader") or []
         if not any(isinstance(s, dict) and MARK in s for s in states):
             return checkpoint
         fit = {**fit, "combined_loader": [s for s in states if not (isinstance(s, dict) and MARK in s)]}
         loops = {**checkpoint["loops"], "fit_loop": {**checkpoint["loops"]["fit_loop"], "state_dict": fit}}
-        return {**checkpoint, "loops": loops, SAVED_AS: states}
+        return {**checkpoint, "loops": loops, under: {**checkpoint.get(under, {}), LOADER_STATES: states}}
 
     @staticmethod
-    def restored(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    def restored(checkpoint: dict[str, Any], under: str) -> dict[str, Any]:
         """The fit loop's loader states of a checkpoint :meth:`portable` wrote, back where Lightning reads them."""
-        states = checkpoint.pop(SAVED_AS, None)
+        states = checkpoint.get(under, {}).pop(LOADER_STATES, None)
         if states is not None:
             checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"] = states
         return checkpoint

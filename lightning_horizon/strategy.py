@@ -30,7 +30,7 @@ from lightning_horizon.sharding import ShardingConfig
 from lightning_horizon.node_state import NodeState
 from lightning_horizon.options import ARGUMENTS, HorizonOptions
 from lightning_horizon.strategy_args import ccl_available, check_world, register_names
-from lightning_horizon.strategy_checkpoint import StrategyCheckpoint
+from lightning_horizon.strategy_checkpoint import CHECKPOINT_KEY, StrategyCheckpoint
 from lightning_horizon.store import StoreConfig
 from lightning_horizon.store.materialize import deferred_init, is_meta
 from lightning_horizon.topology import ProcessGroups, Topology
@@ -352,7 +352,7 @@ class HorizonStrategy(DDPStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         self._beat("checkpoint write")
         self.checkpoints.before_write(checkpoint, filepath)  # every rank: the parts' per-rank state to rank 0
-        super().save_checkpoint(self.data_positions.portable(checkpoint), filepath, storage_options)
+        super().save_checkpoint(self.data_positions.portable(checkpoint, CHECKPOINT_KEY), filepath, storage_options)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -362,7 +362,8 @@ class HorizonStrategy(DDPStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        checkpoint = self.checkpoints.after_read(self.data_positions.restored(checkpoint), checkpoint_path)
+        checkpoint = self.checkpoints.after_read(self.data_positions.restored(checkpoint, CHECKPOINT_KEY),
+                                                 checkpoint_path)
         if self._restore_after_setup and self.model is not None:
             self.parts.after_setup()  # read after setup (a model the store built): the loaded states apply now
         return checkpoint

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 REPO = Path(__file__).resolve().parent.parent
-_LAUNCHER_VARS = {"MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "GLOBAL_RANK", "RANK", "WORLD_SIZE",
+LAUNCHER_VARS = {"MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "GLOBAL_RANK", "RANK", "WORLD_SIZE",
                   "LOCAL_WORLD_SIZE", "GROUP_RANK", "PL_GLOBAL_SEED", "PL_SEED_WORKERS", "TORCHELASTIC_RUN_ID"}
 
 
@@ -50,7 +50,7 @@ def run_scripts(
     for i, (script, args, env) in enumerate(launches):
         # A launch starts clean: variables a launcher left in this process (an in-process fit sets LOCAL_RANK,
         # MASTER_PORT, ...) would make the child believe it is a spawned rank and wait for peers forever.
-        inherited = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
+        inherited = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
         full_env = {**inherited, "PYTHONUNBUFFERED": "1", **(env or {})}
         full_env.setdefault("PYTHONPATH", str(REPO))
         cmd_prefix = list(prefixes[i]) if prefixes else []

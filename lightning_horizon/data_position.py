@@ -45,7 +45,7 @@ from lightning.pytorch.utilities.data import _update_dataloader
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, Sampler, SequentialSampler
 
-#: what a loader's state holds (the format's version travels with it, under this key)
+#: the version of what a loader's position holds, and the key it travels under (which marks a state as a position)
 VERSION = 1
 MARK = "horizon_data_position"
 #: the key, in the strategy's entry of a checkpoint, of the fit loop's loader states where one is a position

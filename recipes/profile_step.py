@@ -300,8 +300,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
                    if v is not None}
     precision = HorizonPrecision("auto")
     machine_cores = len(os.sched_getaffinity(0))  # before the strategy pins this process
-    launched = "LOCAL_RANK" in os.environ  # a rank Lightning's launcher started (not the one that prints)
-    peak = None if launched else matmul_peak(precision.compute, args.peak_seconds, args.peak_sizes)
+    # a rank other than global rank 0 (the one that prints): Lightning's launcher starts ranks 1.. with LOCAL_RANK,
+    # torchrun every rank with LOCAL_RANK and GROUP_RANK / NODE_RANK (rank 0 has 0 in each)
+    printing = all(os.environ.get(v, "0") == "0" for v in ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "RANK"))
+    peak = matmul_peak(precision.compute, args.peak_seconds, args.peak_sizes) if printing else None
 
     class Closure(GPTPretrain):  # the recipe's module, its closure marked
         def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:

@@ -75,6 +75,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     import yaml
 
     from lightning_horizon.layout import Machine, candidates
+    from lightning_horizon.layout.tuner import clean_env
 
     machine = Machine.here()
     n, q = machine.cores, a.quick
@@ -82,9 +83,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     cfg.setdefault("data", {})["batch_size"] = a.batch
     config = out / "config.yaml"
     config.write_text(yaml.safe_dump(cfg))
-    env = {**os.environ, "HORIZON_LAYOUT_CACHE": str(out / "layouts.json"),
+    env = {**clean_env(), "HORIZON_LAYOUT_CACHE": str(out / "layouts.json"),  # a clean shell, as tune's workers
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    env.pop("OMP_NUM_THREADS", None)
     py, gpt_script = sys.executable, str(HERE / "pretrain_gpt.py")
     every = candidates(n, machine.domains)  # the bench: one process, the middle layout, one thread per rank
     bench_layouts = ",".join(sorted({f"{x.ranks}x{x.threads}" for x in (every[0], every[len(every) // 2], every[-1])}))

@@ -79,7 +79,7 @@ from typing import Any
 
 from lightning_horizon.cpu import JEMALLOC_CONF, ONEDNN_ISA_VARS, isa
 from lightning_horizon.layout import Layout, Machine, candidates
-from lightning_horizon.layout.tuner import run_worker
+from lightning_horizon.layout.tuner import clean_env, run_worker
 from lightning_horizon.cpu import machine_busy_seconds
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -372,9 +372,10 @@ def run_arm(name: str, args: argparse.Namespace, out: Path, baton: str | None = 
         cmd += ["--baton", baton]
     if args.cache_dir:
         cmd += ["--cache-dir", args.cache_dir]
-    # a worker starts with the environment a user's shell would give it: no thread variables, so each framework's
-    # own policy decides (Lightning: cores // processes; HorizonStrategy: pinned cores)
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    # a worker starts with the environment a user's shell would give it (as tune's workers): no thread variables, so
+    # each framework's own policy decides (Lightning: cores // processes; HorizonStrategy: pinned cores), and no
+    # launcher state an earlier fit in this process left behind
+    env = clean_env()
     spec = arm_spec(name)
     if spec.get("preload"):
         lib = find_allocator(spec["preload"])

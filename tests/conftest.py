@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.launch import LAUNCHER_VARS
+from lightning_horizon.layout.tuner import LAUNCHER_VARS
 
 _STARTED_WITH = set(os.environ)
 

@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from lightning_horizon.layout.tuner import LAUNCHER_VARS
+
 REPO = Path(__file__).resolve().parent.parent
-LAUNCHER_VARS = {"MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "GLOBAL_RANK", "RANK", "WORLD_SIZE",
-                 "LOCAL_WORLD_SIZE", "GROUP_RANK", "PL_GLOBAL_SEED", "PL_SEED_WORKERS", "TORCHELASTIC_RUN_ID"}
 
 
 def run_script(

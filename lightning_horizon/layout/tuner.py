@@ -42,10 +42,13 @@ from lightning_horizon.layout.rule import Layout
 from lightning_horizon.layout.timer import OUT_ENV, WARMUP_ENV
 from lightning_horizon.memory.probe import node_free_memory
 
+#: what a launcher (Lightning's, torchrun) leaves in a process's environment, also after an in-process fit: a
+#: process started with them believes it is a launched rank and waits for peers that never come
+LAUNCHER_VARS = frozenset({"MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "GLOBAL_RANK", "RANK",
+                           "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "PL_GLOBAL_SEED", "PL_SEED_WORKERS",
+                           "TORCHELASTIC_RUN_ID"})
 # a worker starts as from a clean shell: no launcher state, no thread counts, no layout an outer run chose
-_DROPPED_VARS = {"MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "GLOBAL_RANK", "RANK", "WORLD_SIZE",
-                 "LOCAL_WORLD_SIZE", "GROUP_RANK", "PL_GLOBAL_SEED", "PL_SEED_WORKERS", "TORCHELASTIC_RUN_ID",
-                 "OMP_NUM_THREADS", "MKL_NUM_THREADS", layout_cache.CHOSEN_ENV}
+_DROPPED_VARS = LAUNCHER_VARS | {"OMP_NUM_THREADS", "MKL_NUM_THREADS", layout_cache.CHOSEN_ENV}
 
 
 def clean_env() -> dict[str, str]:
@@ -268,5 +271,5 @@ def check_same_workload(results: Sequence[Result]) -> None:
                                           f" {r.report['workload']['global_batch']}): pass --batch")
 
 
-__all__ = ["ALLOWED", "Result", "clean_env", "measure", "predict_memory", "run_worker", "script_command", "select",
+__all__ = ["ALLOWED", "LAUNCHER_VARS", "Result", "clean_env", "measure", "predict_memory", "run_worker", "script_command", "select",
            "table", "tune"]

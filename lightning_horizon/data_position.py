@@ -296,9 +296,10 @@ class DataPositions:
         them."""
         fit = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
         states = fit.get("combined_loader") or []
-        if not any(isinstance(s, dict) and MARK in s for s in states):
+        kept = [s for s in states if not (isinstance(s, dict) and MARK in s)]
+        if len(kept) == len(states):
             return checkpoint
-        fit = {**fit, "combined_loader": [s for s in states if not (isinstance(s, dict) and MARK in s)]}
+        fit = {**fit, "combined_loader": kept}
         loops = {**checkpoint["loops"], "fit_loop": {**checkpoint["loops"]["fit_loop"], "state_dict": fit}}
         return {**checkpoint, "loops": loops, under: {**checkpoint.get(under, {}), LOADER_STATES: states}}
 

@@ -72,11 +72,14 @@ def worker(spec: dict[str, Any]) -> None:
 
     class Steps(L.Callback):
         def on_train_start(self, trainer, pl_module) -> None:
-            (out / f"pid.rank{rank}").write_text(str(os.getpid()))  # the driver's target, once training runs
-            self.log = open(out / f"steps.rank{rank}.jsonl", "a", buffering=1)
+            self.log, self.targeted = open(out / f"steps.rank{rank}.jsonl", "a", buffering=1), False
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             self.log.write(json.dumps({"attempt": attempt, "step": trainer.global_step, "t": time.time()}) + "\n")
+            if not self.targeted:  # the driver's target once this attempt has trained a step: a fault never hits
+                # a restart that has not recovered yet, so each fault's recovery is measured
+                (out / f"pid.rank{rank}").write_text(str(os.getpid()))
+                self.targeted = True
 
     L.seed_everything(1337, verbose=False)
     model = GPTPretrain(**spec["model"])
@@ -163,7 +166,7 @@ def run_job(a: argparse.Namespace, minutes: float, faults: bool, ns: Optional[Na
                 rank, kind = len(sent) % 2, kinds[len(sent) % len(kinds)]
                 pid_file = work / f"pid.rank{rank}"
                 if not pid_file.exists():
-                    continue  # its attempt is not training yet: the fault waits for it
+                    continue  # its attempt has not trained a step yet: the fault waits for it
                 pid = int(pid_file.read_text())
                 pid_file.unlink()
                 try:

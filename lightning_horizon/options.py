@@ -51,7 +51,7 @@ class HorizonOptions:
         """Check every argument (ValueError naming the first bad one) and resolve the configs. ``ddp_kwargs``: the
         extra keywords for DDPStrategy and DistributedDataParallel; ``named``: the strategy's own parameter names."""
         resolved_sharding = resolve_sharding(sharding)
-        config = CollectivesConfig(algorithm=collectives, compression=compression, sync_every=sync_every,
+        config = CollectivesConfig(collectives=collectives, compression=compression, sync_every=sync_every,
                                    sync_warmup_steps=sync_warmup_steps, outer=outer, outer_lr=outer_lr,
                                    outer_momentum=outer_momentum, sync_overlap=sync_overlap, torus_shape=torus_shape,
                                    cost_model=cost_model)

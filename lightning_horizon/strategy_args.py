@@ -174,7 +174,7 @@ def check_world(options: Any, world: int, ranks_here: int, backend: Any, device:
                          " or 'auto'")
     c = options.collectives
     x, y = c.grid_shape(world, per_node)
-    if c.algorithm == "torus2d" and c.compression is not None and y == 1 and x > per_node:
+    if c.collectives == "torus2d" and c.compression is not None and y == 1 and x > per_node:
         # only the column stage is compressed; one row that spans nodes sends every byte across them uncompressed
         raise ValueError(f"{OWNER}(collectives='torus2d', torus_shape={c.torus_shape!r}, compression="
                          f"{c.compression!r}): a grid of one row spanning {x // per_node} nodes has no column stage,"

@@ -24,7 +24,7 @@ COMPRESSIONS = (None, "bf16", "int8")
 class CollectivesConfig:
     """How DDP's gradient buckets are reduced (see docs/collectives.md)."""
 
-    algorithm: str = "flat"
+    collectives: str = "flat"
     """``"flat"``: one allreduce over the world (DDP's own behaviour, overlapped with backward).
     ``"hierarchical"``: reduce-scatter inside the node, allreduce of each 1/L slice across nodes by every local
     rank in parallel, all-gather inside the node. ``"torus2d"``: the same three stages on an X x Y grid
@@ -80,11 +80,11 @@ class CollectivesConfig:
     def changed(self) -> list[str]:
         """The options away from their defaults, as the strategy's arguments spell them (``"compression='int8'"``)."""
         default = CollectivesConfig()
-        return [f"{'collectives' if f.name == 'algorithm' else f.name}={getattr(self, f.name)!r}"
+        return [f"{f.name}={getattr(self, f.name)!r}"
                 for f in fields(self) if getattr(self, f.name) != getattr(default, f.name)]
 
     def __post_init__(self) -> None:
-        check_one_of(_OWNER, "collectives", self.algorithm, ALGORITHMS)
+        check_one_of(_OWNER, "collectives", self.collectives, ALGORITHMS)
         check_one_of(_OWNER, "compression", self.compression, COMPRESSIONS)
         check_int(_OWNER, "sync_every", self.sync_every, 1)
         check_int(_OWNER, "sync_warmup_steps", self.sync_warmup_steps, 0)
@@ -116,9 +116,9 @@ class CollectivesConfig:
                 or not all(is_int(v, 1) for v in shape)
             ):
                 raise ValueError(f"torus_shape={shape!r}: allowed is None or a pair (X, Y) of positive ints")
-            if self.algorithm not in ("torus2d", "auto"):
+            if self.collectives not in ("torus2d", "auto"):
                 raise ValueError(
-                    f"torus_shape={tuple(shape)!r} with collectives={self.algorithm!r}: torus_shape is used by"
+                    f"torus_shape={tuple(shape)!r} with collectives={self.collectives!r}: torus_shape is used by"
                     " collectives='torus2d' or 'auto' only"
                 )
             object.__setattr__(self, "torus_shape", tuple(shape))

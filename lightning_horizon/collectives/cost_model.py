@@ -265,7 +265,7 @@ class BucketPlanner:
         model: Optional[CostModel] = None,
         info: Callable[[str], None] = lambda message: None,
     ) -> None:
-        if config.algorithm == "auto" and model is None:
+        if config.collectives == "auto" and model is None:
             raise ValueError("collectives='auto' needs a cost model: allowed is a CostModel (given or probed)")
         self.config, self.model, self._info = config, model, info
         self.nodes, self.ranks_per_node, self.torus_cols = nodes, ranks_per_node, torus_cols
@@ -276,8 +276,8 @@ class BucketPlanner:
         """``(algorithm, pipeline chunk in elements, compression)`` for a bucket of ``numel`` elements."""
         cfg = self.config
         chunk = cfg.chunk_numel
-        if cfg.algorithm != "auto":
-            return cfg.algorithm, chunk, cfg.compression
+        if cfg.collectives != "auto":
+            return cfg.collectives, chunk, cfg.compression
         if numel not in self.choices:
             per_node, world = self.ranks_per_node, self.nodes * self.ranks_per_node
             two_level = [("hierarchical", per_node)]

@@ -66,7 +66,7 @@ class GradientSync(Part):
         self.inter = comm(groups.inter, groups.inter_ranks)
         self.torus_cols = config.grid_shape(world, per_node)[0]
         self.row, self.col = self.intra, self.inter
-        if config.algorithm in ("torus2d", "auto") and self.torus_cols != per_node:
+        if config.collectives in ("torus2d", "auto") and self.torus_cols != per_node:
             grid = groups.grid(self.torus_cols)  # collective on first request: every rank is here
             self.row, self.col = comm(grid.row, grid.row_ranks), comm(grid.col, grid.col_ranks)
 
@@ -75,7 +75,7 @@ class GradientSync(Part):
         self.error_feedback = ErrorFeedback(named) if self.codec else None
         # the links, for auto's choice of algorithm and sync_overlap="auto"'s of overlap: given, or probed (collective)
         cost_model = None
-        if config.algorithm == "auto" or (config.sync_overlap == "auto" and topo.num_nodes > 1):
+        if config.collectives == "auto" or (config.sync_overlap == "auto" and topo.num_nodes > 1):
             cost_model = config.cost_model
             source = "given"
             if cost_model is None:
@@ -111,10 +111,10 @@ class GradientSync(Part):
 
         #: which algorithm (pipeline chunk, compression) reduces each bucket size
         self.planner = BucketPlanner(config, topo.num_nodes, per_node, self.torus_cols,
-                                     cost_model if config.algorithm == "auto" else None, info=self._info)
+                                     cost_model if config.collectives == "auto" else None, info=self._info)
         self._info(
-            f"collectives: {config.algorithm} on {topo.num_nodes} node(s) x {per_node} rank(s)"
-            + (f", torus {self.torus_cols} x {world // self.torus_cols}" if config.algorithm == "torus2d" else "")
+            f"collectives: {config.collectives} on {topo.num_nodes} node(s) x {per_node} rank(s)"
+            + (f", torus {self.torus_cols} x {world // self.torus_cols}" if config.collectives == "torus2d" else "")
             + f", compression {config.compression}"
             + (f" ({'C kernel' if self.codec.native else 'torch ops'})" if self.codec else "")
             + f", sync_every {config.sync_every}"
@@ -130,7 +130,7 @@ class GradientSync(Part):
         """The hook function to register with this state (its name shows in DDP's logging data)."""
         if self.periodic is not None:
             return local_sgd_hook
-        return HOOKS[self.config.algorithm]
+        return HOOKS[self.config.collectives]
 
     def reduce(self, bucket: dist.GradBucket) -> torch.futures.Future:
         """Average the bucket's gradients over the world (or over the node between local-SGD averages).
@@ -279,7 +279,7 @@ class GradientSync(Part):
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "algorithm": self.config.algorithm,
+            "algorithm": self.config.collectives,
             "layout": self.layout.state_dict(),
             "error_feedback": self.error_feedback.state_dict() if self.error_feedback else None,
             "periodic": self.periodic.state_dict() if self.periodic else None,

@@ -249,7 +249,7 @@ def check_local_sgd(checks: dict, groups: ProcessGroups) -> None:
     """sync_every=4 after 3 warm-up steps: parameters equal inside a node always, across nodes after syncs, and a
     sync leaves every rank with the mean of the nodes' weights just before it (float64 mean, fp32 rounding)."""
     model = equal_model()
-    ddp, sync = wrap(model, groups, EQUAL_BUCKET_MB, algorithm="hierarchical", sync_every=4, sync_warmup_steps=3)
+    ddp, sync = wrap(model, groups, EQUAL_BUCKET_MB, collectives="hierarchical", sync_every=4, sync_warmup_steps=3)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     within, across, inter_bytes, saved, mean_err, spread = [], [], [], None, {}, {}
     for it in range(15):
@@ -305,7 +305,7 @@ def check_outer(checks: dict, groups: ProcessGroups) -> None:
     lr, mu = 0.7, 0.9
     for overlap in (False, True):
         model = equal_model()
-        ddp, sync = wrap(model, groups, EQUAL_BUCKET_MB, algorithm="hierarchical", sync_every=4, sync_warmup_steps=3,
+        ddp, sync = wrap(model, groups, EQUAL_BUCKET_MB, collectives="hierarchical", sync_every=4, sync_warmup_steps=3,
                          outer="nesterov", sync_overlap=overlap)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
         anchor = velocity = None
@@ -365,7 +365,7 @@ def check_outer_auto(checks: dict, groups: ProcessGroups) -> None:
     decided = {}
     for name, beta in (("slow", 1 / 1.25e6), ("free", 1e-15)):
         links = {"intra": (1e-9, 1e-15), "inter": (1e-9, beta)}
-        ddp, sync = wrap(equal_model(), groups, EQUAL_BUCKET_MB, algorithm="hierarchical", sync_every=2,
+        ddp, sync = wrap(equal_model(), groups, EQUAL_BUCKET_MB, collectives="hierarchical", sync_every=2,
                          sync_overlap="auto", cost_model=links)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
         for it in range(2):

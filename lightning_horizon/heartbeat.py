@@ -29,6 +29,7 @@ What it cannot tell from a hang: work one rank does alone for longer than ``time
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -76,6 +77,23 @@ def start(address: str, port: int, rank: int, placement: list[dict[str, Any]],
                     f" ({error}); a hung peer is noticed at the collective timeout only")
         return None
     return beat
+
+
+def beats(before: Optional[str] = None, after: Optional[str] = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A strategy hook that passes points of the program: the strategy's heartbeat (its ``heartbeat`` attribute,
+    ``None``: none) beats ``before`` as the hook begins and ``after`` once it returned, each where given."""
+
+    def wrap(hook: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(hook)
+        def beating(strategy: Any, *args: Any, **kwargs: Any) -> Any:
+            if before is not None and strategy.heartbeat is not None:
+                strategy.heartbeat.beat(before)
+            out = hook(strategy, *args, **kwargs)
+            if after is not None and strategy.heartbeat is not None:
+                strategy.heartbeat.beat(after)
+            return out
+        return beating
+    return wrap
 
 
 class Heartbeat:

@@ -8,7 +8,6 @@ under one checkpoint key.
 
 from __future__ import annotations
 
-import inspect
 import os
 from contextlib import contextmanager
 from datetime import timedelta
@@ -16,11 +15,14 @@ from typing import Any, Callable, Generator, Optional, Union
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
+from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.strategy import Strategy
 from typing_extensions import override
 
 from lightning_horizon import cpu, fit_parts, heartbeat, liveness, placement
+from lightning_horizon.checks import require
+from lightning_horizon.collectives import CollectivesConfig
 from lightning_horizon.data_position import DataPositions
 from lightning_horizon.checkpoint_io import AtomicCheckpointIO
 from lightning_horizon.parts import Parts, part
@@ -28,54 +30,25 @@ from lightning_horizon.precision import HorizonPrecision
 from lightning_horizon.state import TrainingState
 from lightning_horizon.sharding import ShardingConfig
 from lightning_horizon.node_state import NodeState
-from lightning_horizon.options import ARGUMENTS, HorizonOptions
-from lightning_horizon.strategy_args import ccl_available, check_world, register_names
+from lightning_horizon.node_state.config import NodeStateConfig
+from lightning_horizon.options import HorizonOptions
+from lightning_horizon.process_config import DEFAULT_TIMEOUT_S, ProcessConfig, ccl_available
 from lightning_horizon.strategy_checkpoint import CHECKPOINT_KEY, StrategyCheckpoint
 from lightning_horizon.store import StoreConfig
 from lightning_horizon.store.materialize import deferred_init, is_meta
 from lightning_horizon.topology import ProcessGroups, Topology
 from lightning_horizon.unused import explain_unused
 
-#: Collective timeout: long enough for a slow checkpoint write on rank 0 while the others wait in a barrier,
-#: short enough that a lost peer ends the job instead of hanging it for torch's default 30 minutes.
-DEFAULT_TIMEOUT_S = 600.0
-
-
 class HorizonStrategy(DDPStrategy):
-    """Multi-process data-parallel training on CPUs, topology-aware. Every parameter: docs/strategy.md.
-
-    Args:
-        ranks_per_node: ranks per (emulated) node, dividing the world size; ``None``: the launcher's local world size.
-        bucket_size_mb: DDP gradient bucket size in MiB (the unit each comm hook call reduces).
-        timeout: collective timeout in seconds (or a ``timedelta``): a rank that waits longer for a peer fails.
-        process_group_backend: ``"gloo"``, ``"ccl"``, ``"mpi"``, ``"nccl"``; ``None``: ``ccl`` if oneCCL imports.
-        pin_cores: pin each local rank to its own slice of cores and size its thread pool to it.
-        threads_per_rank: intra-op threads per rank; ``None``: one per pinned core.
-        keep_freed_memory: glibc's malloc keeps the memory a step frees for the next step instead of handing it
-            back and faulting it in again (not under ``sharding``, whose budget measures RSS; not where malloc is
-            jemalloc, tcmalloc or configured by you); given back at teardown.
-        sharding: ``None``, ``"auto"`` or a ``ShardingConfig``: activation recompute under a memory budget.
-        collectives: ``"flat"``, ``"hierarchical"``, ``"torus2d"`` or ``"auto"`` (per bucket, by the cost model).
-        compression: ``None``, ``"bf16"`` or ``"int8"``: the inter-node stage, with error feedback.
-        sync_every: 1, or k > 1: gradients reduced in the node, parameters averaged across nodes every k steps.
-        sync_warmup_steps: with ``sync_every > 1``, the first steps that still reduce across the world.
-        outer: with ``sync_every > 1``: ``"average"`` (the nodes' weights averaged) or ``"nesterov"`` (DiLoCo's outer
-            step on the period's average change, ``outer_lr``, ``outer_momentum``).
-        sync_overlap: with ``sync_every > 1``: the cross-node exchange runs behind the next period, applied one
-            period late.
-        torus_shape: ``(X, Y)`` for ``torus2d``, X * Y = world size; ``None``: X = ranks per node.
-        cost_model: link and codec constants for ``"auto"`` instead of the setup probe (a ``CostModel`` or a dict).
-        state: ``"replicated"`` or ``"node_sharded"`` (one copy of the weights per node, the rest owned in shares).
-        node_weights: with ``"node_sharded"``: ``"shared"`` (in ``/dev/shm``) or ``"copies"`` (one per rank).
-        state_checkpoint: with ``"node_sharded"``: ``"full"`` (rank 0 writes all) or ``"per_rank"`` (each its share).
-        shard_group_nodes: with ``"node_sharded"``: the nodes that together hold one copy of the state (masters,
-            gradients, optimizer state), a divisor of the node count; ``"auto"``: the largest divisor up to a quarter
-            of the nodes (1 below 8 nodes: each node holds a copy).
-        state_store: ``None``, ``"auto"``, a folder or a ``StoreConfig``: out-of-core training state.
-        heartbeat_timeout: seconds after which a peer that sends no heartbeat, or makes no progress while the others
-            wait for it, is named and the job ends (exit 75); ``None``: no heartbeat.
-        ddp_comm_state, ddp_comm_hook, ddp_comm_wrapper: a DDP comm hook of your own, registered on CPU too.
-        **kwargs: passed to ``DDPStrategy`` and on to ``DistributedDataParallel`` (e.g. ``static_graph``).
+    """Multi-process data-parallel training on CPUs, topology-aware. Every keyword is a field of the same name of one
+    config, which documents and checks it: :class:`~lightning_horizon.process_config.ProcessConfig` (ranks per node,
+    buckets, timeout, backend, cores and threads, freed memory, heartbeat),
+    :class:`~lightning_horizon.collectives.CollectivesConfig` (collectives, compression, local SGD and the outer
+    sync, torus, cost model), :class:`~lightning_horizon.node_state.config.NodeStateConfig` (state, node weights,
+    state checkpoint, shard groups); ``sharding`` is a ``ShardingConfig`` (or ``"auto"``), ``state_store`` a
+    ``StoreConfig`` (or ``"auto"``, a folder). The rules between them: options.py; all of it: docs/strategy.md.
+    ``ddp_comm_state``, ``ddp_comm_hook``, ``ddp_comm_wrapper``: a DDP comm hook of your own, registered on CPU too;
+    other keywords go to ``DDPStrategy`` and on to ``DistributedDataParallel`` (e.g. ``static_graph``).
     """
 
     strategy_name = "horizon"
@@ -83,27 +56,54 @@ class HorizonStrategy(DDPStrategy):
     def __init__(
         self, accelerator: Optional[Any] = None, parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[Any] = None, checkpoint_io: Optional[Any] = None,
-        precision_plugin: Optional[Any] = None, *, ranks_per_node: Optional[int] = None, bucket_size_mb: float = 8,
-        timeout: Union[float, timedelta] = DEFAULT_TIMEOUT_S, process_group_backend: Optional[str] = None,
-        pin_cores: bool = True, threads_per_rank: Optional[int] = None, keep_freed_memory: bool = True,
-        sharding: Union[None, str, ShardingConfig] = None, collectives: str = "flat", compression: Optional[str] = None,
-        sync_every: int = 1, sync_warmup_steps: int = 0, outer: str = "average", outer_lr: float = 0.7,
-        outer_momentum: float = 0.9, sync_overlap: bool = False, torus_shape: Optional[tuple[int, int]] = None,
-        cost_model: Optional[Any] = None, state: str = "replicated", node_weights: str = "shared",
-        state_checkpoint: str = "full", shard_group_nodes: Union[str, int] = "auto",
+        precision_plugin: Optional[Any] = None, *,
+        ranks_per_node: Optional[int] = None,
+        bucket_size_mb: float = 8,
+        timeout: Union[float, timedelta] = DEFAULT_TIMEOUT_S,
+        process_group_backend: Optional[str] = None,
+        pin_cores: bool = True,
+        threads_per_rank: Optional[int] = None,
+        keep_freed_memory: bool = True,
+        heartbeat_timeout: Optional[float] = heartbeat.DEFAULT_TIMEOUT_S,
+        sharding: Union[None, str, ShardingConfig] = None,
+        collectives: str = "flat",
+        compression: Optional[str] = None,
+        sync_every: int = 1,
+        sync_warmup_steps: int = 0,
+        outer: str = "average",
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        sync_overlap: Union[bool, str] = False,
+        torus_shape: Optional[tuple[int, int]] = None,
+        cost_model: Optional[Any] = None,
+        state: str = "replicated",
+        node_weights: str = "shared",
+        state_checkpoint: str = "full",
+        shard_group_nodes: Union[str, int] = "auto",
         state_store: Union[None, str, os.PathLike, StoreConfig] = None,
-        heartbeat_timeout: Optional[float] = heartbeat.DEFAULT_TIMEOUT_S, **kwargs: Any,
+        **kwargs: Any,
     ) -> None:
         # Every check runs here, in the Trainer's constructor: before a launcher starts a process or a group.
-        arguments = {k: v for k, v in locals().items() if k in ARGUMENTS}
-        #: the strategy's own options, checked and resolved (options.py); the parts are built from them
-        self.options = HorizonOptions.resolve(**arguments, ddp_kwargs=kwargs,
-                                              named=set(inspect.signature(HorizonStrategy.__init__).parameters))
+        require(checkpoint_io is None or isinstance(checkpoint_io, CheckpointIO), "HorizonStrategy", "checkpoint_io",
+                checkpoint_io, "a lightning CheckpointIO or None (atomic)")
+        #: the strategy's own options, each group's checked by its config and the rules between them (options.py)
+        self.options = HorizonOptions(
+            process=ProcessConfig(
+                ranks_per_node=ranks_per_node, bucket_size_mb=bucket_size_mb, timeout=timeout,
+                process_group_backend=process_group_backend, pin_cores=pin_cores, threads_per_rank=threads_per_rank,
+                keep_freed_memory=keep_freed_memory, heartbeat_timeout=heartbeat_timeout),
+            collectives=CollectivesConfig(
+                collectives=collectives, compression=compression, sync_every=sync_every,
+                sync_warmup_steps=sync_warmup_steps, outer=outer, outer_lr=outer_lr, outer_momentum=outer_momentum,
+                sync_overlap=sync_overlap, torus_shape=torus_shape, cost_model=cost_model),
+            node_state=NodeStateConfig(state=state, node_weights=node_weights, state_checkpoint=state_checkpoint,
+                                       shard_group_nodes=shard_group_nodes),
+            sharding=sharding, state_store=state_store, ddp_kwargs=kwargs)
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO(),
             precision_plugin=precision_plugin, process_group_backend=process_group_backend,
-            timeout=self.options.timeout, bucket_cap_mb=bucket_size_mb, **kwargs,
+            timeout=self.options.process.timeout, bucket_cap_mb=bucket_size_mb, **kwargs,
         )
         self.topology: Optional[Topology] = None
         self.process_groups: Optional[ProcessGroups] = None
@@ -117,10 +117,11 @@ class HorizonStrategy(DDPStrategy):
         self.checkpoints = StrategyCheckpoint(self)
         #: the training data's position (data_position.py): loaders that resume mid-epoch, into any world size
         self.data_positions = DataPositions()
+        #: this rank's heartbeat while a stage runs (heartbeat.py), ``None`` without; the hooks below beat it
+        self.heartbeat: Optional[heartbeat.Heartbeat] = None
         self._reported = False
         self._thread_settings: Optional[cpu.ThreadSettings] = None
         self._sync_backward = True  # False inside block_backward_sync (accumulation micro-batches)
-        self._heartbeat: Optional[heartbeat.Heartbeat] = None
         self._restore_after_setup: Optional[bool] = None  # restore_checkpoint_after_setup, for this fit
 
     # ------------------------------------------------------------------ the parts, by what they do
@@ -150,16 +151,15 @@ class HorizonStrategy(DDPStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        check_world(self.options, self.num_nodes * self.num_processes, self.num_processes,
-                    self._process_group_backend, self.root_device)
+        self.options.check_world(self.num_nodes * self.num_processes, self.num_processes, self.root_device)
         # teardown gives back the threads, affinity and OpenMP variables of before (a notebook goes on after fit)
         self._thread_settings = cpu.ThreadSettings.capture()
-        if self.options.pin_cores and self.root_device.type == "cpu":
+        if self.options.process.pin_cores and self.root_device.type == "cpu":
             # the count pinning gives rank 0, for Lightning's launcher: with OMP_NUM_THREADS set it leaves
             # torch.set_num_threads alone (a call costs even where the count is unchanged: cpu.set_threads), and the
             # ranks it starts begin with it
             os.environ.setdefault("OMP_NUM_THREADS",
-                                  str(cpu.planned_threads(0, self.num_processes, self.options.threads_per_rank)))
+                                  str(cpu.planned_threads(0, self.num_processes, self.options.process.threads_per_rank)))
         super()._configure_launcher()
 
     @override
@@ -187,17 +187,16 @@ class HorizonStrategy(DDPStrategy):
             self.options, self.world_size, self.global_rank, self.local_rank, self.num_processes, self.root_device,
             self._process_group_backend, report)
         self._reported = self._reported or report
-        if self._heartbeat is not None:  # a stage that ended without its teardown
-            self._heartbeat.stop()
-            self._heartbeat = None
-        if self.world_size > 1 and self.options.heartbeat_timeout is not None:
-            self._heartbeat = heartbeat.start(self.cluster_environment.main_address,
-                                              self.cluster_environment.main_port, self.global_rank, self.placement,
-                                              self.options.heartbeat_timeout)
+        self._stop_heartbeat()  # a stage that ended without its teardown
+        if self.world_size > 1 and self.options.process.heartbeat_timeout is not None:
+            self.heartbeat = heartbeat.start(self.cluster_environment.main_address,
+                                             self.cluster_environment.main_port, self.global_rank, self.placement,
+                                             self.options.process.heartbeat_timeout)
 
-    def _beat(self, where: str) -> None:
-        if self._heartbeat is not None:
-            self._heartbeat.beat(where)
+    def _stop_heartbeat(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+            self.heartbeat = None
 
     @override
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
@@ -230,7 +229,7 @@ class HorizonStrategy(DDPStrategy):
         # the meta device, its init recorded: setup builds it into the store layer by layer (store/materialize.py)
         trainer = getattr(self.lightning_module, "_trainer", None) if self.lightning_module is not None else None
         fitting = trainer is not None and trainer.state.fn == "fit"
-        if self.options.store is None or not (empty_init or (empty_init is None and fitting)):
+        if self.options.state_store is None or not (empty_init or (empty_init is None and fitting)):
             with super().tensor_init_context(empty_init):
                 yield
         else:
@@ -249,7 +248,7 @@ class HorizonStrategy(DDPStrategy):
         # (decided at the first ask, before setup, and kept for the fit: setup builds the module)
         if self._restore_after_setup is None:
             module = self.lightning_module
-            self._restore_after_setup = self.options.store is not None and module is not None and is_meta(module)
+            self._restore_after_setup = self.options.state_store is not None and module is not None and is_meta(module)
         return super().restore_checkpoint_after_setup or self._restore_after_setup
 
     @override
@@ -294,15 +293,14 @@ class HorizonStrategy(DDPStrategy):
     # ------------------------------------------------------------------ training step, backward and optimizer step
 
     @override
+    @heartbeat.beats("training_step", "after training_step")
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         batch = args[0] if args else kwargs.get("batch")
         batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
-        self._beat("training_step")
         self.parts.before_training_step(self.lightning_module, batch, batch_idx,
                                         self.precision_plugin.train_step_context)
         output = super().training_step(*args, **kwargs)
         self.parts.after_training_step(output)
-        self._beat("after training_step")
         if not self.lightning_module.automatic_optimization:
             # manual: the batch's steps (a GAN's two) once, after the last: local SGD averages what all stepped
             self.parts.after_optimizer_step()
@@ -319,18 +317,19 @@ class HorizonStrategy(DDPStrategy):
             self._sync_backward = True
 
     @override
+    @heartbeat.beats(after="backward (the gradient allreduce)")
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
         super().pre_backward(closure_loss)
         self.parts.pre_backward(self._sync_backward)
-        self._beat("backward (the gradient allreduce)")
 
     @override
+    @heartbeat.beats(before="after backward")
     def post_backward(self, closure_loss: torch.Tensor) -> None:
-        self._beat("after backward")
         super().post_backward(closure_loss)
         self.parts.post_backward()
 
     @override
+    @heartbeat.beats("optimizer step", "after optimizer step")
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         # the parts settle the gradients after the closure (forward, backward), before the optimizer reads them
         def settled() -> Any:
@@ -338,10 +337,8 @@ class HorizonStrategy(DDPStrategy):
             self.parts.gradients_ready()
             return out
 
-        self._beat("optimizer step")
         output = super().optimizer_step(optimizer, settled, model, **kwargs)
         self.parts.optimizer_stepped(optimizer)
-        self._beat("after optimizer step")
         if self.lightning_module.automatic_optimization:
             self.parts.after_optimizer_step()  # manual optimization: once per batch, in training_step
         return output
@@ -349,8 +346,8 @@ class HorizonStrategy(DDPStrategy):
     # ------------------------------------------------------------------ checkpoints (strategy_checkpoint.py)
 
     @override
+    @heartbeat.beats("checkpoint write")
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        self._beat("checkpoint write")
         self.checkpoints.before_write(checkpoint, filepath)  # every rank: the parts' per-rank state to rank 0
         super().save_checkpoint(self.data_positions.portable(checkpoint, CHECKPOINT_KEY), filepath, storage_options)
 
@@ -381,26 +378,24 @@ class HorizonStrategy(DDPStrategy):
         liveness.name_lost_peer(exception, self.placement, self.global_rank, self._timeout.total_seconds())
 
     @override
+    @heartbeat.beats("validation_step")
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._beat("validation_step")
         return super().validation_step(*args, **kwargs)
 
     @override
+    @heartbeat.beats("test_step")
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._beat("test_step")
         return super().test_step(*args, **kwargs)
 
     @override
+    @heartbeat.beats("predict_step")
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._beat("predict_step")
         return super().predict_step(*args, **kwargs)
 
     @override
     def teardown(self) -> None:
         self._restore_after_setup = None
-        if self._heartbeat is not None:
-            self._heartbeat.stop()
-            self._heartbeat = None
+        self._stop_heartbeat()
         self.parts.teardown()  # the sharder uninstalls: the module leaves fit exactly as it came in
         for name in fit_parts.FIT_ONLY:  # the weights are the module's own again: validate/test run replicated
             self.parts.remove(name)
@@ -413,7 +408,16 @@ class HorizonStrategy(DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        register_names(cls, strategy_registry)  # "horizon", "horizon_spawn", "horizon_fork", each *_find_unused...
+        # DDPStrategy's names: "horizon", "horizon_spawn", "horizon_fork", each also with
+        # "_find_unused_parameters_true"; registering twice (the package imported again) is harmless
+        for name, start_method in (("horizon", "popen"), ("horizon_spawn", "spawn"), ("horizon_fork", "fork")):
+            for suffix, unused in (("", False), ("_find_unused_parameters_true", True)):
+                if f"{name}{suffix}" not in strategy_registry:
+                    strategy_registry.register(
+                        f"{name}{suffix}", cls, start_method=start_method,
+                        description=f"HorizonStrategy with start_method={start_method!r}"
+                        f"{', find_unused_parameters=True' if unused else ''}",
+                        **({"find_unused_parameters": True} if unused else {}))
 
 
 __all__ = ["HorizonStrategy", "DEFAULT_TIMEOUT_S"]

@@ -72,7 +72,7 @@ class StrategyCheckpoint:
         if shares.in_first_shard_group:
             names = dict(s.lightning_module.named_parameters())
             mine = node_checkpoint.local_part(checkpoint, key, s.optimizers, names, shares.owns)
-        if s.options.state_checkpoint == "full" or "optimizer_states" not in checkpoint:
+        if s.options.node_state.state_checkpoint == "full" or "optimizer_states" not in checkpoint:
             parts = self.gather_objects(mine)
             if parts is not None:
                 node_checkpoint.merge(checkpoint, [p for p in parts if p is not None], key)

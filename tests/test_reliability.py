@@ -27,7 +27,7 @@ from lightning_horizon.collectives.layout import BucketLayout, Piece
 from lightning_horizon.memory import AVAILABLE_MEMORY_ENV, current_rss
 from lightning_horizon.sharding import GraphSharder, ShardingConfig
 from lightning_horizon.store import StoreConfig
-from lightning_horizon.strategy_args import ccl_available, check_backend_device
+from lightning_horizon.process_config import ccl_available, check_backend_device
 from tests.launch import REPO, run_script
 from tests.scripts.sharding_models import LitGPT, tiny_gpt
 

@@ -55,6 +55,36 @@ def test_registered_names():
     importlib.reload(lightning_horizon)  # registration is idempotent
 
 
+def test_every_strategy_keyword_is_a_field_of_exactly_one_config_with_its_default():
+    import dataclasses
+    import inspect
+
+    from lightning_horizon.options import GROUPS, HorizonOptions, keywords
+
+    params = inspect.signature(HorizonStrategy.__init__).parameters
+    own = [n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    assert sorted(own) == sorted(keywords()) and len(set(keywords())) == len(keywords())
+    # every group's field is the keyword of the same name, with the same default; a whole config is a field of
+    # HorizonOptions of the keyword's name, off by default
+    for group in GROUPS:
+        for f in dataclasses.fields(group):
+            if f.metadata.get("keyword", True):
+                assert params[f.name].default == f.default, (group.__name__, f.name)
+            else:
+                assert f.name not in params, (group.__name__, f.name)
+    whole = {f.name: f.default for f in dataclasses.fields(HorizonOptions)}
+    assert all(params[n].default is None and whole[n] is None for n in keywords() if n not in
+               {f.name for g in GROUPS for f in dataclasses.fields(g)})
+    # handed over by field name: a value given to the strategy is the value its config holds
+    given = {"ranks_per_node": 2, "compression": "bf16", "collectives": "hierarchical", "heartbeat_timeout": 5.0,
+             "threads_per_rank": 1, "sync_overlap": False}
+    options = HorizonStrategy(**given).options
+    held = {f.name: getattr(getattr(options, name), f.name) for name, group in
+            (("process", GROUPS[0]), ("collectives", GROUPS[1]), ("node_state", GROUPS[2]))
+            for f in dataclasses.fields(group)}
+    assert {k: held[k] for k in given} == given
+
+
 @pytest.mark.parametrize(
     ("kwargs", "devices", "needle"),
     [

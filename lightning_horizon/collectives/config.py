@@ -7,7 +7,7 @@ that needs the world size (``torus_shape``) runs at setup, in :meth:`Collectives
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Optional, Union
 
 from lightning_horizon.checks import check_int, check_one_of, is_int, is_number, require
@@ -70,10 +70,10 @@ class CollectivesConfig:
     ``{"intra": (alpha_s, beta_s_per_byte), "inter": (alpha_s, beta_s_per_byte)}``, with an optional
     ``"codec": {"bf16": s_per_element, "int8": s_per_element}`` (the codecs' CPU time; absent: none counted)."""
 
-    int8_block: int = 256
+    int8_block: int = field(default=256, metadata={"keyword": False})
     """Elements per int8 scale: smaller blocks follow the gradient's range more closely, at 4 bytes per block."""
 
-    pipeline_chunk_mb: float = 2.0
+    pipeline_chunk_mb: float = field(default=2.0, metadata={"keyword": False})
     """Two-level reductions cut a bucket into chunks of this many MiB and pipeline them: the intra-node stages
     of one chunk run while another crosses the nodes. Smaller chunks overlap more and pay more latency."""
 
@@ -139,6 +139,16 @@ class CollectivesConfig:
                 f" allowed are {pairs}"
             )
         return x, y
+
+    def check_world(self, world_size: int, ranks_per_node: int) -> None:
+        """The torus grid fits the world (:meth:`grid_shape`) and, with compression, has a stage to compress."""
+        x, y = self.grid_shape(world_size, ranks_per_node)
+        if self.collectives == "torus2d" and self.compression is not None and y == 1 and x > ranks_per_node:
+            # only the column stage is compressed; one row that spans nodes sends every byte across them uncompressed
+            raise ValueError(f"{_OWNER}(collectives='torus2d', torus_shape={self.torus_shape!r}, compression="
+                             f"{self.compression!r}): a grid of one row spanning {x // ranks_per_node} nodes has no"
+                             " column stage, the only one compressed, so nothing would be; use a torus_shape with"
+                             " Y > 1, or collectives='hierarchical'")
 
     @property
     def chunk_numel(self) -> int:

@@ -117,7 +117,8 @@ def links(strategy: Any) -> CostModel:
 def comm_hook(strategy: Any, module: nn.Module) -> tuple[GradientSync, Callable[..., Any]]:
     """The comm hook and its state (2. above). Built on every rank at the same point: it may create grid groups and
     probe the links (collective)."""
-    sync = GradientSync(strategy.options.collectives, strategy.process_groups, module, strategy.training_state)
+    sync = GradientSync.with_links(strategy.options.collectives, strategy.process_groups, module,
+                                   strategy.training_state)
     strategy.parts.add("collectives", sync)
     return sync, sync.hook
 

@@ -369,7 +369,7 @@ def test_a_bucket_auto_sends_uncompressed_carries_its_residual_exactly():
 
     module = torch.nn.Linear(3, 2)
     config = CollectivesConfig("auto", compression="int8", cost_model={"intra": (1e-6, 1e-9), "inter": (1e-6, 1e-9)})
-    sync = GradientSync(config, ProcessGroups(Topology(1, 0, 1)), module, TrainingState())
+    sync = GradientSync.with_links(config, ProcessGroups(Topology(1, 0, 1)), module, TrainingState())
     params = [p for _, p in module.named_parameters()]
     residual = torch.linspace(-1, 1, 8)
     sync.error_feedback.scatter(Piece.contiguous(params), residual)

@@ -14,6 +14,8 @@ from lightning_horizon.collectives.sync import (
     flat_hook,
     hierarchical_hook,
     local_sgd_hook,
+    needs_links,
+    sync_links,
     torus2d_hook,
 )
 
@@ -32,5 +34,7 @@ __all__ = [
     "flat_hook",
     "hierarchical_hook",
     "local_sgd_hook",
+    "needs_links",
+    "sync_links",
     "torus2d_hook",
 ]

@@ -1,11 +1,12 @@
 """Gradient sync: ``GradientSync``, the state object DDP hands to every comm hook call, and the hook functions.
 
-``GradientSync`` is built on every rank at the same point (it may create process groups and, for ``auto``,
-probe the links, both collective), registered with ``ddp.register_comm_hook(sync, sync.hook)``, and called by
-DDP once per bucket, in bucket order, on the thread that runs backward. All collectives of a bucket are issued
-from there, in a fixed order, and have completed when the hook returns its already-completed Future. The one
-exception is the plain flat allreduce of an fp32 bucket, which, like DDP's own hook, returns the allreduce's
-Future so that it overlaps with backward: its continuation only records a time, it never issues a collective.
+``GradientSync`` is built on every rank at the same point (it may create process groups, collectively; for
+``auto``, ``GradientSync.with_links`` probes the links first, collective too), registered with
+``ddp.register_comm_hook(sync, sync.hook)``, and called by DDP once per bucket, in bucket order, on the thread that
+runs backward. All collectives of a bucket are issued from there, in a fixed order, and have completed when the
+hook returns its already-completed Future. The one exception is the plain flat allreduce of an fp32 bucket, which,
+like DDP's own hook, returns the allreduce's Future so that it overlaps with backward: its continuation only
+records a time, it never issues a collective.
 
 The object is also a strategy "part": ``after_optimizer_step`` closes the accounting of the step (and runs
 the periodic parameter average), ``state_dict``/``load_state_dict`` carry the error-feedback residuals and the
@@ -26,14 +27,14 @@ from lightning_horizon.collectives.accounting import CommAccounting
 from lightning_horizon.collectives.comm import Comm
 from lightning_horizon.collectives.compression import Codec, ErrorFeedback
 from lightning_horizon.collectives.config import CollectivesConfig
-from lightning_horizon.collectives.cost_model import BucketPlanner
+from lightning_horizon.collectives.cost_model import BucketPlanner, CostModel
 from lightning_horizon.collectives.layout import BucketLayout
 from lightning_horizon.collectives.local_sgd import PeriodicSync
 from lightning_horizon.collectives.outer import OuterSync
 from lightning_horizon.collectives.probe import probe
 from lightning_horizon.parts import GRADIENTS, Part
 from lightning_horizon.state import TrainingState
-from lightning_horizon.topology import ProcessGroups
+from lightning_horizon.topology import Grid, ProcessGroups, Topology
 
 log = logging.getLogger(__name__)
 
@@ -52,53 +53,25 @@ class GradientSync(Part):
         groups: ProcessGroups,
         module: torch.nn.Module,
         state: TrainingState,
+        links: Optional[CostModel] = None,
     ) -> None:
+        """``links``: the link constants ``auto``'s choice of algorithm and ``sync_overlap="auto"``'s of overlap are
+        made with, required where one of them is configured (:func:`needs_links`): the config's ``cost_model`` or
+        the probe's, as :meth:`with_links` passes them."""
         self.config = config
-        topo = self.topology = groups.topology
+        self.topology = groups.topology
+        needed = needs_links(config, self.topology)
+        if needed and links is None:
+            raise ValueError(f"GradientSync(collectives={config.collectives!r}, sync_overlap={config.sync_overlap!r})"
+                             " decides by the links: pass links= (the cost model), or build it with"
+                             " GradientSync.with_links")
+        cost_model = links if needed else None
         self.accounting = CommAccounting()
-        world, per_node = topo.world_size, topo.ranks_per_node
-
-        def comm(group: Optional[dist.ProcessGroup], ranks: list[int]) -> Comm:
-            return Comm(group, ranks, topo, self.accounting)
-
-        self.world = comm(None, list(range(world)))
-        self.intra = comm(groups.intra, groups.intra_ranks)
-        self.inter = comm(groups.inter, groups.inter_ranks)
-        self.torus_cols = config.grid_shape(world, per_node)[0]
-        self.row, self.col = self.intra, self.inter
-        if config.collectives in ("torus2d", "auto") and self.torus_cols != per_node:
-            grid = groups.grid(self.torus_cols)  # collective on first request: every rank is here
-            self.row, self.col = comm(grid.row, grid.row_ranks), comm(grid.col, grid.col_ranks)
-
+        self._comms(groups)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.codec = Codec(config.compression, config.int8_block) if config.compression else None
         self.error_feedback = ErrorFeedback(named) if self.codec else None
-        # the links, for auto's choice of algorithm and sync_overlap="auto"'s of overlap: given, or probed (collective)
-        cost_model = None
-        if config.collectives == "auto" or (config.sync_overlap == "auto" and topo.num_nodes > 1):
-            cost_model = config.cost_model
-            source = "given"
-            if cost_model is None:
-                codecs = [config.compression] if config.compression else []
-                cost_model = probe(groups, codecs, config.int8_block)
-                source = "probed"
-            self._info(f"collectives auto: {source} links: {cost_model.describe()}")
-        outer = None
-        if config.sync_every > 1 and (config.outer != "average" or config.sync_overlap):
-            exchange = None
-            if config.sync_overlap == "auto" and cost_model is not None:  # decided at the first sync
-                numel = sum(p.numel() for _, p in named)  # as hierarchical's allreduce of the weights: the same stages
-                exchange = cost_model.predict("hierarchical", numel, topo.num_nodes, per_node).time
-            # its own inter-node group: with overlap the exchange is in flight while the steps reduce theirs
-            outer = OuterSync(config.outer, config.outer_lr, config.outer_momentum, config.sync_overlap,
-                              [p for _, p in named], self.intra, comm(groups.spare_inter(), groups.inter_ranks), state,
-                              exchange, self._info)
-        self.periodic = (
-            PeriodicSync(config.sync_every, config.sync_warmup_steps, [p for _, p in named], self.intra, self.inter,
-                         state, outer)
-            if config.sync_every > 1
-            else None
-        )
+        self.periodic = self._periodic(groups, [p for _, p in named], state, cost_model)
         self._overlapped_seconds: list[float] = []  # appended by flat allreduce continuations (worker threads)
         #: the bucket layout reduced in, kept through checkpoints (see layout.py)
         self.layout = BucketLayout(named)
@@ -108,13 +81,66 @@ class GradientSync(Part):
         self._ready_hooks = [
             p.register_post_accumulate_grad_hook(lambda p, n=n: self._ready.append(n)) for n, p in named
         ]
-
         #: which algorithm (pipeline chunk, compression) reduces each bucket size
-        self.planner = BucketPlanner(config, topo.num_nodes, per_node, self.torus_cols,
+        self.planner = BucketPlanner(config, self.topology.num_nodes, self.topology.ranks_per_node, self.torus_cols,
                                      cost_model if config.collectives == "auto" else None, info=self._info)
-        self._info(
-            f"collectives: {config.collectives} on {topo.num_nodes} node(s) x {per_node} rank(s)"
-            + (f", torus {self.torus_cols} x {world // self.torus_cols}" if config.collectives == "torus2d" else "")
+        self._info(self._describe())
+
+    @classmethod
+    def with_links(
+        cls, config: CollectivesConfig, groups: ProcessGroups, module: torch.nn.Module, state: TrainingState
+    ) -> "GradientSync":
+        """Build it with the links its choices need (:func:`sync_links`: given, or probed), on every rank at the
+        same point. The torus grid's groups, where it has its own, are created first, collectively: the ranks then
+        arrive at the probe together, and its codecs are timed on cores shared as in training."""
+        _grid(config, groups)  # created on first request, then cached: the constructor finds them
+        return cls(config, groups, module, state, sync_links(config, groups))
+
+    def _comm(self, group: Optional[dist.ProcessGroup], ranks: list[int]) -> Comm:
+        return Comm(group, ranks, self.topology, self.accounting)
+
+    def _comms(self, groups: ProcessGroups) -> None:
+        """The groups the algorithms run over: the world, the node, across the nodes, and the two-level stages' row
+        and column (the node and across it, or the torus grid's)."""
+        self.world = self._comm(None, list(range(self.topology.world_size)))
+        self.intra = self._comm(groups.intra, groups.intra_ranks)
+        self.inter = self._comm(groups.inter, groups.inter_ranks)
+        self.torus_cols, grid = _grid(self.config, groups)
+        self.row, self.col = self.intra, self.inter
+        if grid is not None:
+            self.row, self.col = self._comm(grid.row, grid.row_ranks), self._comm(grid.col, grid.col_ranks)
+
+    def _periodic(self, groups: ProcessGroups, params: list[torch.Tensor], state: TrainingState,
+                  links: Optional[CostModel]) -> Optional[PeriodicSync]:
+        """Local SGD (``sync_every > 1``): the periodic parameter average, with its outer step where configured."""
+        config = self.config
+        if config.sync_every <= 1:
+            return None
+        return PeriodicSync(config.sync_every, config.sync_warmup_steps, params, self.intra, self.inter, state,
+                            self._outer(groups, params, state, links))
+
+    def _outer(self, groups: ProcessGroups, params: list[torch.Tensor], state: TrainingState,
+               links: Optional[CostModel]) -> Optional[OuterSync]:
+        """The outer step of a period, where it is not a plain average or the exchange overlaps."""
+        config, topo = self.config, self.topology
+        if config.outer == "average" and not config.sync_overlap:
+            return None
+        exchange = None
+        if config.sync_overlap == "auto" and links is not None:  # decided at the first sync
+            numel = sum(p.numel() for p in params)  # as hierarchical's allreduce of the weights: the same stages
+            exchange = links.predict("hierarchical", numel, topo.num_nodes, topo.ranks_per_node).time
+        # its own inter-node group: with overlap the exchange is in flight while the steps reduce theirs
+        return OuterSync(config.outer, config.outer_lr, config.outer_momentum, config.sync_overlap, params,
+                         self.intra, self._comm(groups.spare_inter(), groups.inter_ranks), state, exchange, self._info)
+
+    def _describe(self) -> str:
+        """The one line rank 0 logs at construction: algorithm, grid, compression, local SGD."""
+        config, topo = self.config, self.topology
+        outer = self.periodic.outer if self.periodic is not None else None
+        return (
+            f"collectives: {config.collectives} on {topo.num_nodes} node(s) x {topo.ranks_per_node} rank(s)"
+            + (f", torus {self.torus_cols} x {topo.world_size // self.torus_cols}"
+               if config.collectives == "torus2d" else "")
             + f", compression {config.compression}"
             + (f" ({'C kernel' if self.codec.native else 'torch ops'})" if self.codec else "")
             + f", sync_every {config.sync_every}"
@@ -304,6 +330,37 @@ def _completed(tensor: torch.Tensor) -> torch.futures.Future:
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(tensor)
     return fut
+
+
+def needs_links(config: CollectivesConfig, topology: Topology) -> bool:
+    """Whether a choice of ``config`` is made by the links: ``auto``'s algorithm, ``sync_overlap="auto"``'s overlap
+    across nodes."""
+    return config.collectives == "auto" or (config.sync_overlap == "auto" and topology.num_nodes > 1)
+
+
+def sync_links(config: CollectivesConfig, groups: ProcessGroups) -> Optional[CostModel]:
+    """The links ``GradientSync`` decides with (``None`` where nothing does, :func:`needs_links`): the config's
+    ``cost_model``, or probed with its codec (collective: every rank calls it)."""
+    topo = groups.topology
+    if not needs_links(config, topo):
+        return None
+    cost_model, source = config.cost_model, "given"
+    if cost_model is None:
+        codecs = [config.compression] if config.compression else []
+        cost_model, source = probe(groups, codecs, config.int8_block), "probed"
+    if topo.rank == 0:
+        log.info(f"collectives auto: {source} links: {cost_model.describe()}")
+    return cost_model
+
+
+def _grid(config: CollectivesConfig, groups: ProcessGroups) -> tuple[int, Optional[Grid]]:
+    """The torus's ranks per row, and its grid where the two-level stages run on one of their own (``torus2d`` or
+    ``auto`` with rows that are not the nodes; created collectively on first request, then cached)."""
+    topo = groups.topology
+    cols = config.grid_shape(topo.world_size, topo.ranks_per_node)[0]
+    if config.collectives in ("torus2d", "auto") and cols != topo.ranks_per_node:
+        return cols, groups.grid(cols)
+    return cols, None
 
 
 # One function per algorithm, so that DDP's logging data ("comm_hook") names the algorithm in use. Annotations

@@ -62,7 +62,7 @@ def wrap(model: torch.nn.Module, groups: ProcessGroups, bucket_mb: float, **cfg)
     ddp = DDP(model, bucket_cap_mb=bucket_mb)
     if not cfg:
         return ddp, None
-    sync = GradientSync(CollectivesConfig(**cfg), groups, model, TrainingState())
+    sync = GradientSync.with_links(CollectivesConfig(**cfg), groups, model, TrainingState())
     ddp.register_comm_hook(sync, sync.hook)
     return ddp, sync
 
@@ -137,7 +137,7 @@ def check_parity(checks: dict, groups: ProcessGroups, factory, bucket_mb: float,
             err, residual_max, detail = ef_identity(sync, ddp, ef_sums[name], ref_sums[name])
             checks[f"error_feedback_{tag}_{name}"] = result(
                 err < 1e-5 and residual_max > 0, f"{iters[name]} iterations: {detail}")
-        if cfg["algorithm"] == "auto" and tag == "odd":
+        if cfg["collectives"] == "auto" and tag == "odd":
             chose = sync.planner.choices
             checks[f"auto_choices_{tag}"] = result({a for a, _, _ in chose.values()} == {"flat", "hierarchical"},
                                                    f"auto chose {chose}")
@@ -226,13 +226,13 @@ def train(groups: ProcessGroups, cfg: dict, steps: int) -> list[float]:
 def check_training(checks: dict, groups: ProcessGroups) -> None:
     ref = train(groups, {}, COMPRESSED_STEPS)
     for name in ("hierarchical", "torus2d"):
-        got = train(groups, {"algorithm": name}, TRAIN_STEPS)
+        got = train(groups, {"collectives": name}, TRAIN_STEPS)
         worst = max(abs(a - b) / abs(b) for a, b in zip(got, ref[:TRAIN_STEPS]))
         checks[f"trajectory_{name}"] = result(worst <= TRAJECTORY_RTOL, f"{TRAIN_STEPS} steps: max relative loss"
                                               f" difference to DDP {worst:.2e} (allowed {TRAJECTORY_RTOL:g})")
     final_ref = sum(ref[-10:]) / 10
-    for name, cfg in {"hierarchical_int8": {"algorithm": "hierarchical", "compression": "int8"},
-                      "flat_bf16": {"algorithm": "flat", "compression": "bf16"}}.items():
+    for name, cfg in {"hierarchical_int8": {"collectives": "hierarchical", "compression": "int8"},
+                      "flat_bf16": {"collectives": "flat", "compression": "bf16"}}.items():
         got = train(groups, cfg, COMPRESSED_STEPS)
         final = sum(got[-10:]) / 10
         rel = abs(final - final_ref) / final_ref
@@ -402,9 +402,9 @@ def check_bf16_sum(checks: dict, groups: ProcessGroups) -> None:
     partial sum of two or more to 2^-6. Iteration 0 runs in DDP's one first bucket, iteration 1 in three.
     """
     rank = dist.get_rank()
-    variants = {"flat": {"algorithm": "flat"}, "hierarchical": {"algorithm": "hierarchical"},
-                "torus2d": {"algorithm": "torus2d"},
-                "local_sgd": {"algorithm": "hierarchical", "sync_every": 2}}  # reduced inside the node only
+    variants = {"flat": {"collectives": "flat"}, "hierarchical": {"collectives": "hierarchical"},
+                "torus2d": {"collectives": "torus2d"},
+                "local_sgd": {"collectives": "hierarchical", "sync_every": 2}}  # reduced inside the node only
     for name, cfg in variants.items():
         ddp, sync = wrap(Values(), groups, BF16_NUMEL * 2 / 2**20, **cfg)
         members = groups.intra_ranks if cfg.get("sync_every") else list(range(WORLD))
@@ -435,9 +435,9 @@ def check_nonfinite(checks: dict, groups: ProcessGroups) -> None:
     the residual of every non-finite bucket as it was, and the run goes on finite. With every bucket kept, the
     telescoping identity holds over the applied steps exactly as without the fault."""
     rank = dist.get_rank()
-    faults = {"flat_int8": ({"algorithm": "flat", "compression": "int8"}, "nan"),
-              "hierarchical_int8": ({"algorithm": "hierarchical", "compression": "int8"}, "inf"),
-              "torus2d_bf16": ({"algorithm": "torus2d", "compression": "bf16"}, "nan")}
+    faults = {"flat_int8": ({"collectives": "flat", "compression": "int8"}, "nan"),
+              "hierarchical_int8": ({"collectives": "hierarchical", "compression": "int8"}, "inf"),
+              "torus2d_bf16": ({"collectives": "torus2d", "compression": "bf16"}, "nan")}
     for name, (cfg, fault) in faults.items():
         ref, _ = wrap(equal_model(), groups, EQUAL_BUCKET_MB)  # plain DDP: the true mean gradient
         model = equal_model()
@@ -491,18 +491,18 @@ def main(out_path: str) -> None:
     checks: dict = {}
     try:
         uncompressed = {
-            "flat": {"algorithm": "flat"},
-            "hierarchical": {"algorithm": "hierarchical"},
-            "torus2d": {"algorithm": "torus2d"},
-            "auto": {"algorithm": "auto", "cost_model": AUTO_COSTS},
+            "flat": {"collectives": "flat"},
+            "hierarchical": {"collectives": "hierarchical"},
+            "torus2d": {"collectives": "torus2d"},
+            "auto": {"collectives": "auto", "cost_model": AUTO_COSTS},
             # Pipelined in chunks of 300 elements: 1056 -> 300, 300, 300, 156.
-            "hierarchical_chunked": {"algorithm": "hierarchical", "pipeline_chunk_mb": CHUNK_MB},
+            "hierarchical_chunked": {"collectives": "hierarchical", "pipeline_chunk_mb": CHUNK_MB},
         }
         compressed = {
-            "flat_int8": {"algorithm": "flat", "compression": "int8"},
-            "hierarchical_int8": {"algorithm": "hierarchical", "compression": "int8"},
-            "torus2d_bf16": {"algorithm": "torus2d", "compression": "bf16"},
-            "hierarchical_int8_chunked": {"algorithm": "hierarchical", "compression": "int8",
+            "flat_int8": {"collectives": "flat", "compression": "int8"},
+            "hierarchical_int8": {"collectives": "hierarchical", "compression": "int8"},
+            "torus2d_bf16": {"collectives": "torus2d", "compression": "bf16"},
+            "hierarchical_int8_chunked": {"collectives": "hierarchical", "compression": "int8",
                                           "pipeline_chunk_mb": CHUNK_MB},
         }
         clock = Clock(rank)

@@ -14,6 +14,7 @@ allocation is an mmap that is returned on free, and copying a bucket into a new 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Optional
 
 import torch
@@ -75,50 +76,74 @@ def two_level(
     """
     n = x.numel()
     sizes = chunk_sizes(n, row.size, chunk_numel)
-    starts = [sum(sizes[:k]) for k in range(len(sizes))]
     work = x if sum(sizes) == n else F.pad(x, (0, sum(sizes) - n))
-    pieces = work.split(sizes)
-    error: Optional[Pieces] = [] if codec is not None and col is not None and col.size > 1 else None
-    gathers, slices = [], []  # running all-gathers, and the slices they send (alive until waited)
-    sent: list[tuple[int, CompressedAllreduce]] = []  # compressed column stages whose all-to-all is running
-    summed: list[tuple[int, CompressedAllreduce]] = []  # ... and those whose all-gather is running
-
-    def land(k: int, mine: torch.Tensor) -> None:  # chunk k's slice of the world's sum: average, all-gather
-        mine.div_(divisor)
-        slices.append(mine)
-        gathers.append(row.all_gather(pieces[k], mine, async_op=True))
-
-    def finish(k: int, op: CompressedAllreduce) -> None:
-        mine, slice_error = op.finish()
-        m = mine.numel()
-        error.append((starts[k] + row.index * m, slice_error))
-        land(k, mine)
-
-    started = row.reduce_scatter_start(pieces[0])
-    for k in range(len(sizes)):
-        mine = row.reduce_scatter_finish(started)
-        if k + 1 < len(sizes):
-            started = row.reduce_scatter_start(pieces[k + 1])  # runs while chunk k crosses the column
-        if error is not None:
-            # The codec is pipelined too: chunk k is encoded while chunk k-1's all-to-all is on the wire, and chunk
-            # k-1 is summed and re-encoded while chunk k-2's all-gather is.
-            sent.append((k, CompressedAllreduce(mine, col, codec)))
-            if len(sent) == 2:
-                summed.append(sent.pop(0))
-                summed[-1][1].exchange()
-            if len(summed) == 2:
-                finish(*summed.pop(0))
-        else:
-            if col is not None:
-                col.allreduce(mine)
-            land(k, mine)
-    for k, op in sent:
-        op.exchange()
-    for k, op in summed + sent:
-        finish(k, op)
-    for pending in gathers:
-        if pending is not None:
-            pending.wait()
+    stages = _Stages(work.split(sizes), row, col, codec, divisor)
+    for k, mine in stages.reduce_scatter():
+        stages.column(k, mine)
+    stages.drain()
     if work is not x:
         x.copy_(work[:n])
-    return error
+    return stages.error
+
+
+class _Stages:
+    """One two-level reduction's chunks on their way through the stages: the row's reduce-scatter, the column's
+    allreduce (compressed: pipelined in its turn) and the row's all-gather, each issued in chunk order."""
+
+    def __init__(self, chunks: tuple[torch.Tensor, ...], row: Comm, col: Optional[Comm], codec: Optional[Codec],
+                 divisor: int) -> None:
+        self.chunks, self.row, self.col, self.codec, self.divisor = chunks, row, col, codec, divisor
+        self.starts = [sum(c.numel() for c in chunks[:k]) for k in range(len(chunks))]
+        #: what this rank's encodings lost (compressing a column of several ranks), else None
+        self.error: Optional[Pieces] = [] if codec is not None and col is not None and col.size > 1 else None
+        self.gathers: list = []  # running all-gathers
+        self.slices: list[torch.Tensor] = []  # ... and the slices they send (alive until waited)
+        self.sent: list[tuple[int, CompressedAllreduce]] = []  # compressed column stages whose all-to-all is running
+        self.summed: list[tuple[int, CompressedAllreduce]] = []  # ... and those whose all-gather is running
+
+    def reduce_scatter(self) -> Iterator[tuple[int, torch.Tensor]]:
+        """Each chunk's slice of the row's sum, in order; chunk k+1's reduce-scatter is started before chunk k is
+        handed on, so it runs while chunk k crosses the column."""
+        started = self.row.reduce_scatter_start(self.chunks[0])
+        for k in range(len(self.chunks)):
+            mine = self.row.reduce_scatter_finish(started)
+            if k + 1 < len(self.chunks):
+                started = self.row.reduce_scatter_start(self.chunks[k + 1])
+            yield k, mine
+
+    def column(self, k: int, mine: torch.Tensor) -> None:
+        """Chunk k's slice across the column: summed at once, or, compressed, pipelined: chunk k is encoded while
+        chunk k-1's all-to-all is on the wire, and chunk k-1 is summed and re-encoded while chunk k-2's all-gather
+        is."""
+        if self.error is None:
+            if self.col is not None:
+                self.col.allreduce(mine)
+            self._gather(k, mine)
+            return
+        self.sent.append((k, CompressedAllreduce(mine, self.col, self.codec)))
+        if len(self.sent) == 2:
+            self.summed.append(self.sent.pop(0))
+            self.summed[-1][1].exchange()
+        if len(self.summed) == 2:
+            self._finish(*self.summed.pop(0))
+
+    def drain(self) -> None:
+        """The compressed column stages still under way, in order, then every all-gather waited for."""
+        for _, op in self.sent:
+            op.exchange()
+        for k, op in self.summed + self.sent:
+            self._finish(k, op)
+        for pending in self.gathers:
+            if pending is not None:
+                pending.wait()
+
+    def _finish(self, k: int, op: CompressedAllreduce) -> None:
+        mine, slice_error = op.finish()
+        self.error.append((self.starts[k] + self.row.index * mine.numel(), slice_error))
+        self._gather(k, mine)
+
+    def _gather(self, k: int, mine: torch.Tensor) -> None:
+        """Chunk k's slice of the world's sum: averaged, then all-gathered along the row into chunk k."""
+        mine.div_(self.divisor)
+        self.slices.append(mine)
+        self.gathers.append(self.row.all_gather(self.chunks[k], mine, async_op=True))

@@ -35,8 +35,11 @@ from typing import Any, BinaryIO, Callable, Iterator, Optional, Union
 import torch
 from fsspec.utils import get_protocol
 from lightning.fabric.utilities.apply_func import apply_to_collection
+from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
+
+from lightning_horizon.checks import require
 
 log = logging.getLogger("lightning_horizon.strategy")
 
@@ -132,6 +135,13 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if not _is_local(path) or not os.path.isfile(path) or not zipfile.is_zipfile(path):
             return super().load_checkpoint(path, map_location, weights_only)  # remote, missing, or the legacy format
         return torch.load(path, map_location=map_location, weights_only=weights_only, mmap=True)
+
+
+def or_atomic(checkpoint_io: Any) -> CheckpointIO:
+    """The strategy's ``checkpoint_io``: the one given (a Lightning ``CheckpointIO``), else an atomic one."""
+    require(checkpoint_io is None or isinstance(checkpoint_io, CheckpointIO), "HorizonStrategy", "checkpoint_io",
+            checkpoint_io, "a lightning CheckpointIO or None (atomic)")
+    return checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO()
 
 
 def _snapshot(t: torch.Tensor) -> torch.Tensor:

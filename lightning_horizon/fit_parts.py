@@ -1,6 +1,9 @@
-"""The plan of parts: which parts a fit is made of, and when each is born. HorizonStrategy calls these functions at
-the points of Lightning's lifecycle named below and loops over its parts everywhere else; nothing else in the
-strategy names a part.
+"""The plan of parts: which parts a fit is made of, when each is born, and the capabilities' checkpoint steps.
+HorizonStrategy calls these functions at the points of Lightning's lifecycle named below and loops over its parts
+everywhere else; besides, it names parts only in its read-only accessors (``sharder``, ``gradient_sync``, ``store``,
+``node_state``, ``node_shares``). Where one part reads what another changes, the reader declares it
+(``Part.runs_before``) and the registry keeps the order: the store ahead of the sharder, whose measured peak its
+step hook reads.
 
 0. the constructor (:func:`at_construction`): ``rng`` (per-rank RNG state, exact resume).
 1. ``_setup_model``, before DDP, the optimizers and the precision plugin connect (:func:`before_ddp`):
@@ -30,8 +33,10 @@ from lightning_horizon import memory, placement
 from lightning_horizon.collectives import CostModel, GradientSync
 from lightning_horizon.collectives.probe import probe
 from lightning_horizon.embedding import EmbeddingTables, table_groups, tables_of
+from lightning_horizon.collectives.local_sgd import NodeWeightsCheckpoint
 from lightning_horizon.node_state import NodeState, resolve_group_nodes
-from lightning_horizon.parts import Parts
+from lightning_horizon.node_state.checkpoint import NodeShardedCheckpoint
+from lightning_horizon.parts import CheckpointStep, Parts
 from lightning_horizon.rng import RNGState
 from lightning_horizon.sharding import GraphSharder
 from lightning_horizon.checkpoint_io import AtomicCheckpointIO
@@ -51,6 +56,12 @@ def at_construction() -> Parts:
     return parts
 
 
+def checkpoint_steps() -> tuple[CheckpointStep, ...]:
+    """What the capabilities add to the strategy's checkpoints beyond their parts' state, in the order they run:
+    node-sharded state's shares, local SGD's node weights (parts.CheckpointStep)."""
+    return NodeShardedCheckpoint(), NodeWeightsCheckpoint()
+
+
 def before_ddp(strategy: Any, model: nn.Module, trainer: Any, find_unused: bool) -> bool:
     """Add the parts born before DDP (1. above); True when the module stays unwrapped: one process (nothing to
     synchronize), or node-sharded state in DDP's place. ``find_unused``: DDP's ``find_unused_parameters``."""
@@ -63,12 +74,12 @@ def before_ddp(strategy: Any, model: nn.Module, trainer: Any, find_unused: bool)
 
 def _state_parts(strategy: Any, model: nn.Module, trainer: Any, find_unused: bool) -> bool:
     options = strategy.options
-    if options.store is not None and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
-        part = OutOfCore(options.store, strategy.training_state, strategy.global_rank, lambda: strategy.sharder,
+    if options.state_store is not None and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+        part = OutOfCore(options.state_store, strategy.training_state, strategy.global_rank, lambda: strategy.sharder,
                          budgeted=options.sharding is not None,
                          budget_bytes=options.sharding.budget_bytes if options.sharding is not None else None)
         strategy.parts.refuse_taken("store", part)
-        part.install(model, store_folder(options.store, trainer))
+        part.install(model, store_folder(options.state_store, trainer))
         strategy.parts.add("store", part)
         if type(strategy.checkpoint_io) is AtomicCheckpointIO:  # saves write back as they go (store/checkpoint.py)
             strategy.checkpoint_io = StreamedCheckpointIO()
@@ -76,17 +87,17 @@ def _state_parts(strategy: Any, model: nn.Module, trainer: Any, find_unused: boo
         if not find_unused:  # a parameter that gets no gradient fails DDP on several processes: warn of it
             strategy.parts.add("unused", UnusedParameters(model))
         return True
-    if options.state != "node_sharded":
+    if not options.node_state.sharded:
         return False
-    group_nodes = resolve_group_nodes(options.shard_group_nodes, strategy.topology.num_nodes)
+    group_nodes = resolve_group_nodes(options.node_state.shard_group_nodes, strategy.topology.num_nodes)
     if strategy.topology.ranks_per_node == 1 and group_nodes == 1:
         if strategy.global_rank == 0:
             log.info("HorizonStrategy(state='node_sharded'): one rank per node and one node per shard group holds"
                      " everything; replicated")
         return False
     # Before the optimizers and the precision plugin connect: masters only for what this rank owns.
-    node = NodeState(model, strategy.process_groups, options.bucket_bytes, strategy.training_state,
-                     strategy.precision_plugin, options.node_weights, group_nodes)
+    node = NodeState(model, strategy.process_groups, options.process.bucket_bytes, strategy.training_state,
+                     strategy.precision_plugin, options.node_state.node_weights, group_nodes)
     strategy.parts.refuse_taken("node_state", node)
     node.install()
     strategy.parts.add("node_state", node)
@@ -161,4 +172,5 @@ def check_memory(strategy: Any) -> None:
     memory.check_fit(placement.all_gather_objects(row))  # every rank decides alike: none is left waiting
 
 
-__all__ = ["FIT_ONLY", "add_tables", "at_construction", "at_setup", "before_ddp", "check_memory", "comm_hook"]
+__all__ = ["FIT_ONLY", "add_tables", "at_construction", "at_setup", "before_ddp", "check_memory", "checkpoint_steps",
+           "comm_hook"]

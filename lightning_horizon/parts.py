@@ -2,8 +2,11 @@
 
 A part is one capability's per-rank runtime object: the RNG state, the gradient sync, the graph sharder. The
 strategy never probes a part with ``hasattr``: every part implements :class:`Part` (subclass it for the no-op
-defaults), and :class:`Parts` calls each hook on every part, in the order they were added, and owns the saving
-and restoring of their per-rank state (the strategy gathers it to rank 0 under one checkpoint key).
+defaults), and :class:`Parts` calls each hook on every part, in the order they were added (a part that reads what
+another changes says so in ``runs_before`` and stays ahead of it), and owns the saving and restoring of their
+per-rank state (the strategy gathers it to rank 0 under one checkpoint key). What a capability splits of
+Lightning's own checkpoint entries (a node's weights, the owners' shares of the optimizer state) is its
+:class:`CheckpointStep`'s, which lives as long as the strategy: a checkpoint is read before setup makes the parts.
 
 Lifecycle, as HorizonStrategy drives it:
 
@@ -60,6 +63,7 @@ class PartProtocol(Protocol):
     label: str
     takes: Mapping[str, str]
     layout_free: bool
+    runs_before: tuple[str, ...]
 
     def refuses(self, optimizer: Any) -> Optional[str]: ...
 
@@ -106,6 +110,9 @@ class Part:
     #: the part's ``state_dict`` is collective and whole on rank 0 (e.g. a table's rows gathered from every rank):
     #: saved once, loaded by every rank whatever the world size
     layout_free: bool = False
+    #: the parts (by registry name) whose hooks must run after this part's, because this part reads what theirs
+    #: change: the registry keeps it ahead of them whenever either is added (:meth:`Parts.add`)
+    runs_before: tuple[str, ...] = ()
 
     def refuses(self, optimizer: Any) -> Optional[str]:
         """Why this part cannot step ``optimizer`` (torch's, unwrapped), or ``None``: checked at setup."""
@@ -157,6 +164,39 @@ class Part:
         pass
 
 
+class CheckpointStep:
+    """What one capability adds to the strategy's checkpoints beyond its parts' per-rank ``state_dict``: state that
+    Lightning's own entries (the weights, ``optimizer_states``, the precision state) hold for rank 0 only, which the
+    capability splits across ranks, nodes or files. A step lives as long as the strategy (a checkpoint is read
+    before setup makes the parts); fit_parts.py lists the steps, strategy_checkpoint.py calls each in that order.
+    ``strategy``: the strategy's public side. Every hook a no-op here: override what the capability needs."""
+
+    #: the keys this step adds to a rank's gathered entry: its own, never handed to a part
+    rank_keys: tuple[str, ...] = ()
+
+    def save(self, strategy: Any, checkpoint: dict[str, Any], filepath: Any, rank_entry: dict[str, Any]) -> dict:
+        """On every rank before rank 0 writes ``checkpoint`` (collective work runs alike on all): change
+        ``checkpoint`` (rank 0's is the one written), add to ``rank_entry`` (this rank's, gathered to rank 0); the
+        dict returned is kept once in the strategy's entry, for every rank and layout."""
+        return {}
+
+    def load(self, strategy: Any, checkpoint: dict[str, Any], saved: dict[str, Any], path: Any,
+             same_layout: bool) -> dict[str, Any]:
+        """The loaded ``checkpoint`` as this rank restores it when fitting (``saved``: the strategy's entry;
+        ``same_layout``: saved by as many ranks)."""
+        return checkpoint
+
+    def optimizer_states(self, strategy: Any, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """The checkpoint whose ``optimizer_states`` this rank's optimizers load."""
+        return checkpoint
+
+    def after_setup(self, strategy: Any) -> None:
+        """At the end of the strategy's setup, once the module is built and wrapped."""
+
+    def removed(self, strategy: Any, filepath: Any) -> None:
+        """After the checkpoint at ``filepath`` was removed (what it had beside it goes too)."""
+
+
 def part(name: str, doc: str) -> property:
     """A read-only attribute of the strategy: its part ``name`` while it has one, else ``None``."""
     return property(lambda strategy: strategy.parts.get(name), doc=doc)
@@ -172,23 +212,30 @@ class Parts:
         self._removed: dict[str, Any] = {}  # the last part of each name that was removed
 
     def add(self, name: str, part: PartProtocol) -> PartProtocol:
-        """Register ``part`` (replacing one of the same name); it gets its saved state now if one is waiting."""
+        """Register ``part`` (replacing one of the same name) after the others, but ahead of the parts it
+        :attr:`~Part.runs_before`; it gets its saved state now if one is waiting."""
         if not isinstance(part, PartProtocol):
             missing = [m for m in _HOOKS if not hasattr(part, m)]
             raise TypeError(
                 f"part {name!r}={type(part).__name__}: a strategy part implements {', '.join(_HOOKS)};"
                 f" missing {', '.join(missing)} (subclass lightning_horizon.parts.Part for no-op defaults)"
             )
-        self._parts[name] = part
+        order = [(n, p) for n, p in self._parts.items() if n != name]
+        ahead = [i for i, (n, _) in enumerate(order) if n in part.runs_before]  # the parts it must run before
+        if ahead:
+            self._parts = dict(order[:ahead[0]] + [(name, part)] + order[ahead[0]:])
+        else:
+            self._parts[name] = part  # a part replaced keeps its place
         if name in self._saved:
             part.load_state_dict(self._saved.pop(name))
         return part
 
-    def remove(self, name: str) -> None:
-        """Forget the part ``name`` (if any): it has torn down and must not take part in what follows (:meth:`last`
-        still gives it)."""
-        if name in self._parts:
-            self._removed[name] = self._parts.pop(name)
+    def remove(self, *names: str) -> None:
+        """Forget the parts ``names`` (those there are): they have torn down and must not take part in what follows
+        (:meth:`last` still gives each)."""
+        for name in names:
+            if name in self._parts:
+                self._removed[name] = self._parts.pop(name)
 
     def last(self, name: str) -> Optional[Any]:
         """The part ``name`` while there is one, else the last one removed (``None`` if none ever was)."""
@@ -337,9 +384,9 @@ def _refuse_taken(taken: dict[str, tuple[str, str]], label: str, part: PartProto
         taken[thing] = (label, how)
 
 
-_HOOKS = ("label", "takes", "layout_free", "refuses", "connect", "after_setup", "before_training_step",
+_HOOKS = ("label", "takes", "layout_free", "runs_before", "refuses", "connect", "after_setup", "before_training_step",
           "after_training_step", "pre_backward", "post_backward", "clip_gradients", "gradients_ready",
           "optimizer_stepped", "after_optimizer_step", "before_save", "comm_metrics", "state_dict", "load_state_dict",
           "teardown")
 
-__all__ = ["GRADIENTS", "PARAMETERS", "part", "Part", "PartProtocol", "Parts"]
+__all__ = ["CheckpointStep", "GRADIENTS", "PARAMETERS", "part", "Part", "PartProtocol", "Parts"]

@@ -1,9 +1,8 @@
 """HorizonStrategy: Lightning's DDP, made for CPU machines and CPU clusters.
 
-DDPStrategy's whole lifecycle, plus what CPUs need: a backend chosen for the CPU, core pinning, the node topology,
-comm hooks really registered on CPU, a timeout that ends a job whose peer is gone, a heartbeat that ends one whose
-peer hangs (heartbeat.py), and the parts (parts.py) a fit is made of (fit_parts.py), each keeping its per-rank state
-under one checkpoint key.
+DDPStrategy's whole lifecycle, on processes made for CPUs (strategy_processes.py: backend, cores, topology, timeout,
+heartbeat), with comm hooks really registered on CPU and the parts (parts.py) a fit is made of (fit_parts.py), each
+keeping its per-rank state under one checkpoint key (strategy_checkpoint.py).
 """
 
 from __future__ import annotations
@@ -15,16 +14,13 @@ from typing import Any, Callable, Generator, Optional, Union
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
-from lightning.fabric.plugins import CheckpointIO
-from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.strategy import Strategy
 from typing_extensions import override
 
-from lightning_horizon import cpu, fit_parts, heartbeat, liveness, placement
-from lightning_horizon.checks import require
+from lightning_horizon import fit_parts, heartbeat
 from lightning_horizon.collectives import CollectivesConfig
 from lightning_horizon.data_position import DataPositions
-from lightning_horizon.checkpoint_io import AtomicCheckpointIO
+from lightning_horizon.checkpoint_io import or_atomic
 from lightning_horizon.parts import Parts, part
 from lightning_horizon.precision import HorizonPrecision
 from lightning_horizon.state import TrainingState
@@ -32,24 +28,18 @@ from lightning_horizon.sharding import ShardingConfig
 from lightning_horizon.node_state import NodeState
 from lightning_horizon.node_state.config import NodeStateConfig
 from lightning_horizon.options import HorizonOptions
-from lightning_horizon.process_config import DEFAULT_TIMEOUT_S, ProcessConfig, ccl_available
-from lightning_horizon.strategy_checkpoint import CHECKPOINT_KEY, StrategyCheckpoint
+from lightning_horizon.process_config import DEFAULT_TIMEOUT_S, ProcessConfig
+from lightning_horizon.strategy_checkpoint import StrategyCheckpoint
+from lightning_horizon.strategy_processes import CPUProcessesStrategy
 from lightning_horizon.store import StoreConfig
 from lightning_horizon.store.materialize import deferred_init, is_meta
-from lightning_horizon.topology import ProcessGroups, Topology
-from lightning_horizon.unused import explain_unused
 
-class HorizonStrategy(DDPStrategy):
-    """Multi-process data-parallel training on CPUs, topology-aware. Every keyword is a field of the same name of one
-    config, which documents and checks it: :class:`~lightning_horizon.process_config.ProcessConfig` (ranks per node,
-    buckets, timeout, backend, cores and threads, freed memory, heartbeat),
-    :class:`~lightning_horizon.collectives.CollectivesConfig` (collectives, compression, local SGD and the outer
-    sync, torus, cost model), :class:`~lightning_horizon.node_state.config.NodeStateConfig` (state, node weights,
-    state checkpoint, shard groups); ``sharding`` is a ``ShardingConfig`` (or ``"auto"``), ``state_store`` a
-    ``StoreConfig`` (or ``"auto"``, a folder). The rules between them: options.py; all of it: docs/strategy.md.
-    ``ddp_comm_state``, ``ddp_comm_hook``, ``ddp_comm_wrapper``: a DDP comm hook of your own, registered on CPU too;
-    other keywords go to ``DDPStrategy`` and on to ``DistributedDataParallel`` (e.g. ``static_graph``).
-    """
+class HorizonStrategy(CPUProcessesStrategy):
+    """Multi-process data-parallel training on CPUs, topology-aware (docs/strategy.md). Every keyword is the field
+    of the same name of one config, which documents and checks it (options.py: ``ProcessConfig``,
+    ``CollectivesConfig``, ``NodeStateConfig``; ``sharding``: a ``ShardingConfig``, ``state_store``: a
+    ``StoreConfig``). ``ddp_comm_state``, ``ddp_comm_hook``, ``ddp_comm_wrapper``: a DDP comm hook of your own,
+    registered on CPU too; other keywords go to ``DDPStrategy`` and ``DistributedDataParallel``."""
 
     strategy_name = "horizon"
 
@@ -84,10 +74,8 @@ class HorizonStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> None:
         # Every check runs here, in the Trainer's constructor: before a launcher starts a process or a group.
-        require(checkpoint_io is None or isinstance(checkpoint_io, CheckpointIO), "HorizonStrategy", "checkpoint_io",
-                checkpoint_io, "a lightning CheckpointIO or None (atomic)")
-        #: the strategy's own options, each group's checked by its config and the rules between them (options.py)
-        self.options = HorizonOptions(
+        # the strategy's own options (self.options), each group's checked by its config, the rules between them
+        options = HorizonOptions(
             process=ProcessConfig(
                 ranks_per_node=ranks_per_node, bucket_size_mb=bucket_size_mb, timeout=timeout,
                 process_group_backend=process_group_backend, pin_cores=pin_cores, threads_per_rank=threads_per_rank,
@@ -100,27 +88,19 @@ class HorizonStrategy(DDPStrategy):
                                        shard_group_nodes=shard_group_nodes),
             sharding=sharding, state_store=state_store, ddp_kwargs=kwargs)
         super().__init__(
-            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO(),
+            options, accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
+            checkpoint_io=or_atomic(checkpoint_io),
             precision_plugin=precision_plugin, process_group_backend=process_group_backend,
-            timeout=self.options.process.timeout, bucket_cap_mb=bucket_size_mb, **kwargs,
+            timeout=options.process.timeout, bucket_cap_mb=bucket_size_mb, **kwargs,
         )
-        self.topology: Optional[Topology] = None
-        self.process_groups: Optional[ProcessGroups] = None
-        #: per-rank facts gathered at setup (rank, node, local rank, cores, threads, shared): the startup table
-        self.placement: list[dict[str, Any]] = []
         #: the owner of the true weights (state.py), one per strategy: handed to the precision plugin and every part
         self.training_state = TrainingState()
         #: the parts (parts.py), built by fit_parts.py; their per-rank state is kept under one checkpoint key
         self.parts: Parts = fit_parts.at_construction()
         #: the checkpoint side (strategy_checkpoint.py): what a save adds, what a load hands back
-        self.checkpoints = StrategyCheckpoint(self)
+        self.checkpoints = StrategyCheckpoint(self, fit_parts.checkpoint_steps())
         #: the training data's position (data_position.py): loaders that resume mid-epoch, into any world size
         self.data_positions = DataPositions()
-        #: this rank's heartbeat while a stage runs (heartbeat.py), ``None`` without; the hooks below beat it
-        self.heartbeat: Optional[heartbeat.Heartbeat] = None
-        self._reported = False
-        self._thread_settings: Optional[cpu.ThreadSettings] = None
         self._sync_backward = True  # False inside block_backward_sync (accumulation micro-batches)
         self._restore_after_setup: Optional[bool] = None  # restore_checkpoint_after_setup, for this fit
 
@@ -147,67 +127,7 @@ class HorizonStrategy(DDPStrategy):
         """Whether nodes hold different weights between optimizer steps (local SGD across several nodes)."""
         return self.options.collectives.sync_every > 1 and self.topology is not None and self.topology.num_nodes > 1
 
-    # ------------------------------------------------------------------ processes, groups, cores
-
-    @override
-    def _configure_launcher(self) -> None:
-        self.options.check_world(self.num_nodes * self.num_processes, self.num_processes, self.root_device)
-        # teardown gives back the threads, affinity and OpenMP variables of before (a notebook goes on after fit)
-        self._thread_settings = cpu.ThreadSettings.capture()
-        if self.options.process.pin_cores and self.root_device.type == "cpu":
-            # the count pinning gives rank 0, for Lightning's launcher: with OMP_NUM_THREADS set it leaves
-            # torch.set_num_threads alone (a call costs even where the count is unchanged: cpu.set_threads), and the
-            # ranks it starts begin with it
-            os.environ.setdefault("OMP_NUM_THREADS",
-                                  str(cpu.planned_threads(0, self.num_processes, self.options.process.threads_per_rank)))
-        super()._configure_launcher()
-
-    @override
-    def _get_process_group_backend(self) -> str:
-        if self._process_group_backend or self.root_device.type != "cpu":
-            return super()._get_process_group_backend()
-        return "ccl" if ccl_available() else "gloo"
-
-    @override
-    def setup_distributed(self) -> None:
-        # one process too, as DDPStrategy: a DistributedSampler or torch.distributed call works unchanged; under
-        # torchrun's agent store on a store of this restart attempt's own (placement.init_process_group)
-        self.set_world_ranks()
-        placement.init_process_group(self.cluster_environment.main_address, self.cluster_environment.main_port,
-                                     self._get_process_group_backend(), self.global_rank, self.world_size,
-                                     self._timeout)
-        super().setup_distributed()
-        placement.destroy_process_group_at_exit()
-
-    @override
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        report = self.global_rank == 0 and not self._reported  # once per strategy: validate/test/predict again
-        self.topology, self.process_groups, self.placement = placement.start(
-            self.options, self.world_size, self.global_rank, self.local_rank, self.num_processes, self.root_device,
-            self._process_group_backend, report)
-        self._reported = self._reported or report
-        self._stop_heartbeat()  # a stage that ended without its teardown
-        if self.world_size > 1 and self.options.process.heartbeat_timeout is not None:
-            self.heartbeat = heartbeat.start(self.cluster_environment.main_address,
-                                             self.cluster_environment.main_port, self.global_rank, self.placement,
-                                             self.options.process.heartbeat_timeout)
-
-    def _stop_heartbeat(self) -> None:
-        if self.heartbeat is not None:
-            self.heartbeat.stop()
-            self.heartbeat = None
-
-    @override
-    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
-        # one process: the value itself, as SingleDeviceStrategy (an all-reduce over one rank costs ~0.2 ms a call)
-        return tensor if self.world_size == 1 else super().reduce(tensor, group=group, reduce_op=reduce_op)
-
-    def startup_table(self) -> str:
-        """Topology, per-rank cores and threads, ISA, backend and allocator, as printed at fit start (after setup)."""
-        return placement.startup_table(self.topology, self.placement, self._process_group_backend)
-
-    # ------------------------------------------------------------------ the model, DDP and comm hooks
+    # ------------------------------------------------------------------ the model, DDP, comm hooks and the data
 
     @override
     def connect(self, model: Any) -> None:
@@ -272,13 +192,11 @@ class HorizonStrategy(DDPStrategy):
             # one process: the base Strategy's setup, without DDP's wrapper and DDPStrategy's broadcast of states
             Strategy.setup(self, trainer)
         self.data_positions.setup_ends()
-        self.checkpoints.restore_node_weights(self.lightning_module)  # local SGD: this node's, from the checkpoint
+        self.checkpoints.after_setup()  # e.g. local SGD: this node's weights, from the checkpoint
         self.parts.connect(trainer, self.lightning_module, self.optimizers)
         fit_parts.at_setup(self, trainer)
         # last: nothing in setup draws from a restored generator (the sanity check runs under isolate_rng)
         self.parts.after_setup()
-
-    # ------------------------------------------------------------------ the training data's position
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -348,8 +266,8 @@ class HorizonStrategy(DDPStrategy):
     @override
     @heartbeat.beats("checkpoint write")
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        self.checkpoints.before_write(checkpoint, filepath)  # every rank: the parts' per-rank state to rank 0
-        super().save_checkpoint(self.data_positions.portable(checkpoint, CHECKPOINT_KEY), filepath, storage_options)
+        # every rank: the parts' per-rank state to rank 0, which writes
+        super().save_checkpoint(self.checkpoints.before_write(checkpoint, filepath), filepath, storage_options)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -358,8 +276,7 @@ class HorizonStrategy(DDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        checkpoint = self.checkpoints.after_read(self.data_positions.restored(checkpoint, CHECKPOINT_KEY),
+        checkpoint = self.checkpoints.after_read(super().load_checkpoint(checkpoint_path, weights_only=weights_only),
                                                  checkpoint_path)
         if self._restore_after_setup and self.model is not None:
             self.parts.after_setup()  # read after setup (a model the store built): the loaded states apply now
@@ -369,55 +286,13 @@ class HorizonStrategy(DDPStrategy):
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         super().load_optimizer_state_dict(self.checkpoints.optimizer_states(checkpoint))
 
-    # ------------------------------------------------------------------ the end
-
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        Strategy.on_exception(self, exception)
-        explain_unused(exception)  # DDPStrategy's explanation of the reducer's error, naming this strategy's switch
-        liveness.name_lost_peer(exception, self.placement, self.global_rank, self._timeout.total_seconds())
-
-    @override
-    @heartbeat.beats("validation_step")
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return super().validation_step(*args, **kwargs)
-
-    @override
-    @heartbeat.beats("test_step")
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return super().test_step(*args, **kwargs)
-
-    @override
-    @heartbeat.beats("predict_step")
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return super().predict_step(*args, **kwargs)
-
     @override
     def teardown(self) -> None:
         self._restore_after_setup = None
-        self._stop_heartbeat()
+        self._stop_heartbeat()  # first: the parts' teardown is no step of the training's
         self.parts.teardown()  # the sharder uninstalls: the module leaves fit exactly as it came in
-        for name in fit_parts.FIT_ONLY:  # the weights are the module's own again: validate/test run replicated
-            self.parts.remove(name)
+        self.parts.remove(*fit_parts.FIT_ONLY)  # the weights are the module's own again: validate/test replicated
         super().teardown()
-        if self._thread_settings is not None:
-            self._thread_settings.restore()
-        if self.placement and self.placement[self.global_rank]["keeps_freed_memory"]:
-            cpu.release_freed_memory()  # glibc's own thresholds again, the kept memory handed back
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        # DDPStrategy's names: "horizon", "horizon_spawn", "horizon_fork", each also with
-        # "_find_unused_parameters_true"; registering twice (the package imported again) is harmless
-        for name, start_method in (("horizon", "popen"), ("horizon_spawn", "spawn"), ("horizon_fork", "fork")):
-            for suffix, unused in (("", False), ("_find_unused_parameters_true", True)):
-                if f"{name}{suffix}" not in strategy_registry:
-                    strategy_registry.register(
-                        f"{name}{suffix}", cls, start_method=start_method,
-                        description=f"HorizonStrategy with start_method={start_method!r}"
-                        f"{', find_unused_parameters=True' if unused else ''}",
-                        **({"find_unused_parameters": True} if unused else {}))
 
 
 __all__ = ["HorizonStrategy", "DEFAULT_TIMEOUT_S"]

@@ -48,6 +48,29 @@ def test_hooks_run_on_every_part_in_order_and_state_round_trips():
     assert parts.get("a") is a and "b" in parts and parts.get("c") is None
 
 
+def test_a_part_that_runs_before_another_stays_ahead_of_it_whichever_is_added_first():
+    # the store reads the sharder's measured peak in its step hook, before the sharder measures the next step: ahead
+    # of it when the store is added first (a first fit) and when the sharder is (it stays for a second fit)
+    from lightning_horizon.store.part import OutOfCore
+
+    assert "sharding" in OutOfCore.runs_before
+
+    class Ahead(Recorder):
+        runs_before = ("sharding",)
+
+    calls, parts = [], Parts()
+    for name in ("rng", "sharding", "collectives"):
+        parts.add(name, Recorder(name, calls))
+    parts.add("store", Ahead("store", calls))
+    parts.after_optimizer_step()
+    assert [c[0] for c in calls] == ["rng", "store", "sharding", "collectives"]
+    parts.remove("store")
+    parts.add("store", Ahead("store", calls))
+    replaced = parts.add("rng", Recorder("rng", calls))  # a part replaced keeps its place
+    assert [p.name for p in parts] == ["rng", "store", "sharding", "collectives"]
+    assert parts.get("rng") is replaced
+
+
 def test_saved_state_waits_for_the_part_that_takes_it():
     parts, calls = Parts(), []
     early = parts.add("early", Recorder("early", calls))
@@ -64,7 +87,7 @@ def test_a_part_implements_the_contract():
         def state_dict(self):
             return {}
 
-    missing = ("label, takes, layout_free, refuses, connect, after_setup, before_training_step, after_training_step,"
+    missing = ("label, takes, layout_free, runs_before, refuses, connect, after_setup, before_training_step, after_training_step,"
                " pre_backward, post_backward, clip_gradients, gradients_ready, optimizer_stepped, after_optimizer_step,"
                " before_save, comm_metrics, load_state_dict, teardown")
     with pytest.raises(TypeError, match=rf"part 'x'=Incomplete: .*missing {missing} .*lightning_horizon.parts.Part"):

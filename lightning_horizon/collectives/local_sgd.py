@@ -22,6 +22,7 @@ import torch
 from lightning_horizon.collectives.comm import Comm
 from lightning_horizon.collectives.chunks import row_slice
 from lightning_horizon.collectives.outer import OuterSync
+from lightning_horizon.parts import CheckpointStep
 from lightning_horizon.state import TrainingState
 
 
@@ -107,24 +108,38 @@ class PeriodicSync:
 
 
 # ---------------------------------------------------------------------- checkpoints between averages
-# Between two averages every node has its own weights, optimizer state and precision state, while Lightning writes
-# rank 0's only: the first rank of every other node adds its node's to its per-rank strategy state, and a resumed
-# rank takes its own node's back.
 
 NODE_KEY = "node"
 
 
-def node_state(checkpoint: dict[str, Any], precision_key: str) -> dict[str, Any]:
-    """What the first rank of a node other than 0 adds to the checkpoint: its node's weights, optimizer and
-    precision state (``precision_key``: the precision plugin's checkpoint key)."""
-    return {k: checkpoint[k] for k in ("state_dict", "optimizer_states", precision_key) if k in checkpoint}
+class NodeWeightsCheckpoint(CheckpointStep):
+    """Between two averages every node has its own weights, optimizer state and precision state, while Lightning
+    writes rank 0's only: the first rank of every other node adds its node's to its gathered entry, and a rank
+    resumed in the same layout takes its own node's back (the weights once setup built the module: DDP's
+    constructor broadcasts rank 0's)."""
 
+    rank_keys = (NODE_KEY,)
 
-def this_nodes_checkpoint(checkpoint: dict[str, Any], ranks: list[dict[str, Any]], node_rank: int,
-                          ranks_per_node: int) -> tuple[dict[str, Any], Optional[dict[str, Any]]]:
-    """``checkpoint`` with this node's weights, optimizer and precision state in place of rank 0's, and this
-    node's weights (``None`` for node 0): DDP's constructor broadcasts rank 0's, so they go back after it."""
-    node = ranks[node_rank * ranks_per_node].get(NODE_KEY)
-    if not node:
-        return checkpoint, None
-    return {**checkpoint, **node}, node.get("state_dict")
+    def __init__(self) -> None:
+        self.node_weights: Optional[dict[str, Any]] = None  # this node's, from the loaded checkpoint, for setup
+
+    def save(self, strategy: Any, checkpoint: dict[str, Any], filepath: Any, rank_entry: dict[str, Any]) -> dict:
+        t = strategy.topology
+        if strategy.nodes_diverge and t.local_rank == 0 and t.node_rank > 0:
+            keys = ("state_dict", "optimizer_states", type(strategy.precision_plugin).__qualname__)
+            rank_entry[NODE_KEY] = {k: checkpoint[k] for k in keys if k in checkpoint}
+        return {}
+
+    def load(self, strategy: Any, checkpoint: dict[str, Any], saved: dict[str, Any], path: Any,
+             same_layout: bool) -> dict[str, Any]:
+        t = strategy.topology
+        node = saved["ranks"][t.node_rank * t.ranks_per_node].get(NODE_KEY) if same_layout else None
+        if not (strategy.nodes_diverge and node):
+            return checkpoint
+        self.node_weights = node.get("state_dict")
+        return {**checkpoint, **node}  # Lightning restores the weights, optimizer and precision state from it
+
+    def after_setup(self, strategy: Any) -> None:
+        if self.node_weights is not None:
+            strategy.lightning_module.load_state_dict(self.node_weights)
+            self.node_weights = None

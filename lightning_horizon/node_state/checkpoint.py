@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from lightning_horizon.checkpoint_io import atomic_file
+from lightning_horizon.parts import CheckpointStep
 
 #: the precision state's per-parameter dicts (HorizonPrecision's bf16-true policies), merged by name
 PER_NAME = ("masters", "compensation")
@@ -115,5 +116,53 @@ def owned_optimizer_state(opt_state: dict[str, Any], params: list[Tensor], owns:
     return {**opt_state, "state": {i: s for i, s in opt_state.get("state", {}).items() if i in keep}}
 
 
-__all__ = ["PER_NAME", "local_part", "merge", "owned_optimizer_state", "read_parts", "remove_parts", "state_dir",
+class NodeShardedCheckpoint(CheckpointStep):
+    """Node-sharded state in the strategy's checkpoints (the module docstring): each rank's share of the optimizer
+    state and masters gathered into rank 0's checkpoint, or written to per-rank files; also when
+    ``trainer.save_checkpoint`` runs after fit (the optimizers still hold the shares then). Loading merges per-rank
+    files back, and each rank's optimizers take the state of what it owns."""
+
+    def save(self, strategy: Any, checkpoint: dict[str, Any], filepath: Any, rank_entry: dict[str, Any]) -> dict:
+        shares = strategy.node_shares
+        if shares is None:
+            return {}
+        if shares is not strategy.node_state:
+            rank_entry["node_state"] = shares.state_dict()  # after fit: its per-rank state, as a save at the fit's end
+        key = type(strategy.precision_plugin).__qualname__
+        mine = None
+        if shares.in_first_shard_group:  # ranks 0 .. n - 1 hold everything; the others send nothing
+            names = dict(strategy.lightning_module.named_parameters())
+            mine = local_part(checkpoint, key, strategy.optimizers, names, shares.owns)
+        if strategy.options.node_state.state_checkpoint == "full" or "optimizer_states" not in checkpoint:
+            parts = strategy.checkpoints.gather_objects(mine)
+            if parts is not None:
+                merge(checkpoint, [p for p in parts if p is not None], key)
+            return {}
+        if mine is not None:
+            write_part(mine, filepath, strategy.topology.rank)
+        strategy.barrier("per-rank state written")  # before rank 0 writes the checkpoint that names the files
+        strip(checkpoint, key)
+        return {"state_files": shares.owners.count}
+
+    def load(self, strategy: Any, checkpoint: dict[str, Any], saved: dict[str, Any], path: Any,
+             same_layout: bool) -> dict[str, Any]:
+        if saved.get("state_files") and "optimizer_states" in checkpoint:
+            # saved per rank: back into the dicts a full checkpoint has, whatever this run's layout
+            merge(checkpoint, read_parts(path, saved["state_files"]), type(strategy.precision_plugin).__qualname__)
+        return checkpoint
+
+    def optimizer_states(self, strategy: Any, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        node = strategy.node_state  # a full checkpoint, any layout: each rank takes the state of what it owns
+        if node is None:
+            return checkpoint
+        return {**checkpoint, "optimizer_states": [
+            owned_optimizer_state(s, [p for g in opt.param_groups for p in g["params"]], node.owns)
+            for opt, s in zip(strategy.optimizers, checkpoint["optimizer_states"])]}
+
+    def removed(self, strategy: Any, filepath: Any) -> None:
+        if strategy.is_global_zero:
+            remove_parts(filepath)  # a per-rank checkpoint's folder goes with it
+
+
+__all__ = ["NodeShardedCheckpoint", "PER_NAME", "local_part", "merge", "owned_optimizer_state", "read_parts", "remove_parts", "state_dir",
            "strip", "write_part"]

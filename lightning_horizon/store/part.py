@@ -41,6 +41,8 @@ class OutOfCore(Part):
 
     label = "HorizonStrategy(state_store=...)"
     takes = MappingProxyType({PARAMETERS: "the weights, masters and optimizer state in files, streamed per layer"})
+    #: its step hook reads the sharder's measured peak of the step before the sharder measures the next one
+    runs_before = ("sharding",)
 
     def __init__(self, config: StoreConfig, training_state: TrainingState, rank: int,
                  sharder: Callable[[], Any] = lambda: None, budgeted: bool = False,

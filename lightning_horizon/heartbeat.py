@@ -79,7 +79,8 @@ def start(address: str, port: int, rank: int, placement: list[dict[str, Any]],
     return beat
 
 
-def beats(before: Optional[str] = None, after: Optional[str] = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def beats(before: Optional[str] = None,
+          after: Optional[str] = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """A strategy hook that passes points of the program: the strategy's heartbeat (its ``heartbeat`` attribute,
     ``None``: none) beats ``before`` as the hook begins and ``after`` once it returned, each where given."""
 

@@ -39,14 +39,15 @@ def place(topology: Topology, local_rank: int, ranks_here: int, pin: bool, threa
 
 def start(options: Any, world_size: int, rank: int, local_rank: int, ranks_here: int, device: Any, backend: Any,
           report_here: bool) -> tuple[Topology, ProcessGroups, list[dict[str, Any]]]:
-    """This rank's topology and process groups, its cores and threads pinned (``options.process.pin_cores`` on CPU), its
-    malloc keeping freed memory (``options.process.keep_freed_memory`` on CPU, without graph sharding: its budget measures
-    RSS that follows the tensors), every rank's row; rank 0 reports when ``report_here`` (collective)."""
-    topology = Topology(world_size=world_size, rank=rank, ranks_per_node=options.process.ranks_per_node or ranks_here)
+    """This rank's topology and process groups, its cores and threads pinned (``options.process.pin_cores`` on CPU),
+    its malloc keeping freed memory (``options.process.keep_freed_memory`` on CPU, without graph sharding: its budget
+    measures RSS that follows the tensors), every rank's row; rank 0 reports when ``report_here`` (collective)."""
+    process = options.process
+    topology = Topology(world_size=world_size, rank=rank, ranks_per_node=process.ranks_per_node or ranks_here)
     groups = ProcessGroups(topology)
     cpu_here = device.type == "cpu"
-    rows = place(topology, local_rank, ranks_here, options.process.pin_cores and cpu_here, options.process.threads_per_rank,
-                 options.process.keep_freed_memory and cpu_here and options.sharding is None)
+    rows = place(topology, local_rank, ranks_here, process.pin_cores and cpu_here, process.threads_per_rank,
+                 process.keep_freed_memory and cpu_here and options.sharding is None)
     if report_here:
         report(topology, rows, backend, ranks_here, options.process.threads_per_rank)
     return topology, groups, rows

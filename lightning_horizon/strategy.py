@@ -88,7 +88,8 @@ class HorizonStrategy(CPUProcessesStrategy):
                                        shard_group_nodes=shard_group_nodes),
             sharding=sharding, state_store=state_store, ddp_kwargs=kwargs)
         super().__init__(
-            options, accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
+            options, accelerator=accelerator, parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
             checkpoint_io=or_atomic(checkpoint_io),
             precision_plugin=precision_plugin, process_group_backend=process_group_backend,
             timeout=options.process.timeout, bucket_cap_mb=bucket_size_mb, **kwargs,

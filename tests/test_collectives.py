@@ -40,7 +40,8 @@ pytestmark = pytest.mark.timeout(600)  # both worlds run in the first multi-proc
 @pytest.mark.parametrize(
     "kwargs, name, allowed",
     [
-        ({"collectives": "ring"}, "collectives='ring'", "allowed is one of ('flat', 'hierarchical', 'torus2d', 'auto')"),
+        ({"collectives": "ring"}, "collectives='ring'",
+         "allowed is one of ('flat', 'hierarchical', 'torus2d', 'auto')"),
         ({"compression": "fp8"}, "compression='fp8'", "allowed is one of (None, 'bf16', 'int8')"),
         ({"sync_every": 0}, "sync_every=0", "allowed is an int >= 1"),
         ({"sync_every": 2.0}, "sync_every=2.0", "allowed is an int >= 1"),

@@ -87,8 +87,8 @@ def test_a_part_implements_the_contract():
         def state_dict(self):
             return {}
 
-    missing = ("label, takes, layout_free, runs_before, refuses, connect, after_setup, before_training_step, after_training_step,"
-               " pre_backward, post_backward, clip_gradients, gradients_ready, optimizer_stepped, after_optimizer_step,"
+    missing = ("label, takes, layout_free, runs_before, refuses, connect, after_setup, before_training_step,"
+               " after_training_step, pre_backward, post_backward, clip_gradients, gradients_ready, optimizer_stepped, after_optimizer_step,"
                " before_save, comm_metrics, load_state_dict, teardown")
     with pytest.raises(TypeError, match=rf"part 'x'=Incomplete: .*missing {missing} .*lightning_horizon.parts.Part"):
         Parts().add("x", Incomplete())

@@ -121,7 +121,7 @@ class NodeWeightsCheckpoint(CheckpointStep):
     rank_keys = (NODE_KEY,)
 
     def __init__(self) -> None:
-        self.node_weights: Optional[dict[str, Any]] = None  # this node's, from the loaded checkpoint, for setup
+        self.this_nodes_weights: Optional[dict[str, Any]] = None  # this node's, from the loaded checkpoint, for setup
 
     def save(self, strategy: Any, checkpoint: dict[str, Any], filepath: Any, rank_entry: dict[str, Any]) -> dict:
         t = strategy.topology
@@ -136,10 +136,10 @@ class NodeWeightsCheckpoint(CheckpointStep):
         node = saved["ranks"][t.node_rank * t.ranks_per_node].get(NODE_KEY) if same_layout else None
         if not (strategy.nodes_diverge and node):
             return checkpoint
-        self.node_weights = node.get("state_dict")
+        self.this_nodes_weights = node.get("state_dict")
         return {**checkpoint, **node}  # Lightning restores the weights, optimizer and precision state from it
 
     def after_setup(self, strategy: Any) -> None:
-        if self.node_weights is not None:
-            strategy.lightning_module.load_state_dict(self.node_weights)
-            self.node_weights = None
+        if self.this_nodes_weights is not None:
+            strategy.lightning_module.load_state_dict(self.this_nodes_weights)
+            self.this_nodes_weights = None

@@ -164,5 +164,6 @@ class NodeShardedCheckpoint(CheckpointStep):
             remove_parts(filepath)  # a per-rank checkpoint's folder goes with it
 
 
-__all__ = ["NodeShardedCheckpoint", "PER_NAME", "local_part", "merge", "owned_optimizer_state", "read_parts", "remove_parts", "state_dir",
+__all__ = ["NodeShardedCheckpoint", "PER_NAME", "local_part", "merge", "owned_optimizer_state", "read_parts",
+           "remove_parts", "state_dir",
            "strip", "write_part"]

@@ -19,6 +19,7 @@ Lifecycle (the strategy calls these; a plain training loop can too):
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 from typing import Any, Optional, Union
 
@@ -38,6 +39,17 @@ from lightning_horizon.sharding.profile import Profile, profile_step
 
 log = logging.getLogger(__name__)
 _STATE_VERSION = 1
+
+
+class Reading(enum.Enum):
+    """Where a step's measured peak lies, which decides what :meth:`GraphSharder.after_step` does."""
+
+    #: above the re-plan line (:meth:`GraphSharder._line`): more recompute, or a warning where none is left to add
+    ABOVE = "above"
+    #: below ``relax_below`` x budget, with calls recomputed and a resettable high-water mark: counts towards less
+    LOW = "low"
+    #: in between: the count of low steps starts over
+    STEADY = "steady"
 
 
 class GraphSharder(Part):
@@ -124,62 +136,90 @@ class GraphSharder(Part):
         self.check_output(output)
 
     def after_step(self, peak: Optional[int] = None) -> None:
-        """Measure the step's peak RSS (or take ``peak``) and decide whether the next step re-plans."""
+        """Measure the step's peak RSS (or take ``peak``) and decide whether the next step re-plans: what it does
+        depends on where the peak is (:class:`Reading`)."""
+        peak = self._measure(peak)
+        if peak is None or not self.config.adaptive:
+            return
+        if not isinstance(self.config.budget, int) and self._follow_free_memory():
+            return  # re-plans at the next boundary for the new budget
+        plan, budget = self.plan, self.budget
+        assert plan is not None and budget is not None and self.fixed is not None
+        estimated = max(1, plan.estimated_peak - self.fixed)
+        ratio = max(0.0, (peak - self.fixed) / estimated)  # measured / estimated activation memory
+        line = self._line(plan, budget)
+        reading = self._read(peak, line, plan, budget)
+        if reading is Reading.ABOVE:
+            self._tighten(peak, ratio, line)
+        elif reading is Reading.LOW:
+            self._count_low(ratio)
+        else:
+            self._low_steps, self._low_ratio = 0, 0.0
+
+    def _measure(self, peak: Optional[int]) -> Optional[int]:
+        """The step's peak RSS (``peak`` if given), the step counted; ``None`` where there is nothing to read: no
+        plan yet, a second optimizer of the same step, or a high-water mark that cannot be reset and says nothing
+        new."""
         if self.plan is None or not self._stepped:
-            return  # a second optimizer of the same step: its peak is the step's, measured already
+            return None  # a second optimizer of the same step: its peak is the step's, measured already
         self._stepped = False
         self.steps += 1
         if peak is None:
             peak = peak_rss()
             if not self._resettable and self.last_peak is not None and peak <= self.last_peak:
-                return  # a high-water mark that cannot be reset says nothing new about this step
+                return None  # a high-water mark that cannot be reset says nothing new about this step
             self._resettable = reset_peak_rss()
         self.last_peak = peak
-        cfg, plan, budget = self.config, self.plan, self.budget
-        assert budget is not None and self.fixed is not None
-        if not cfg.adaptive:
-            return
-        if not isinstance(cfg.budget, int) and self._follow_free_memory():
-            return  # re-plans at the next boundary for the new budget
-        budget = self.budget
-        estimated = max(1, plan.estimated_peak - self.fixed)
-        ratio = max(0.0, (peak - self.fixed) / estimated)  # measured / estimated activation memory
-        line = self._line(plan, budget)
+        return peak
+
+    def _read(self, peak: int, line: float, plan: ShardPlan, budget: int) -> Reading:
         if peak > line:
-            self._low_steps, self._low_ratio = 0, 0.0
-            if plan.estimated_peak <= plan.floor:
-                if not self._at_floor_warned:
-                    log.warning(
-                        f"sharding[rank {self.rank}] step {self.steps}: measured peak {fmt_bytes(peak)} ="
-                        f" {peak / budget:.0%} of the budget {fmt_bytes(budget)}, but the plan already recomputes"
-                        " all it can: raise the budget, or shrink the batch or sequence"
-                    )
-                    self._at_floor_warned = True
-                return
-            scale = self.scale * max(ratio, 1.0) * 1.05  # at least 5% tighter, so that it converges
-            above = (f"headroom {cfg.headroom:.0%}" if plan.recompute
-                     else f"{line / budget:.0%} of it (nothing recomputed)")
+            return Reading.ABOVE
+        if peak < self.config.relax_below * budget and plan.recompute and self._resettable:
+            return Reading.LOW
+        return Reading.STEADY
+
+    def _tighten(self, peak: int, ratio: float, line: float) -> None:
+        """Above the line: more recompute at the next boundary, or, with none left to add, a warning (once)."""
+        cfg, plan, budget = self.config, self.plan, self.budget
+        assert plan is not None and budget is not None
+        self._low_steps, self._low_ratio = 0, 0.0
+        if plan.estimated_peak <= plan.floor:
+            if not self._at_floor_warned:
+                log.warning(
+                    f"sharding[rank {self.rank}] step {self.steps}: measured peak {fmt_bytes(peak)} ="
+                    f" {peak / budget:.0%} of the budget {fmt_bytes(budget)}, but the plan already recomputes"
+                    " all it can: raise the budget, or shrink the batch or sequence"
+                )
+                self._at_floor_warned = True
+            return
+        scale = self.scale * max(ratio, 1.0) * 1.05  # at least 5% tighter, so that it converges
+        above = (f"headroom {cfg.headroom:.0%}" if plan.recompute
+                 else f"{line / budget:.0%} of it (nothing recomputed)")
+        self._pending = (
+            f"measured peak {fmt_bytes(peak)} = {peak / budget:.0%} of the budget {fmt_bytes(budget)}, above"
+            f" {above} (estimate was {fmt_bytes(plan.estimated_peak)}): more recompute",
+            scale,
+        )
+
+    def _count_low(self, ratio: float) -> None:
+        """Below ``relax_below``: one more low step; after ``relax_after`` of them, less recompute at the next
+        boundary where the steps' largest ratio makes it worth it, and the count starts over."""
+        cfg = self.config
+        self._low_steps += 1
+        self._low_ratio = max(self._low_ratio, ratio)
+        if self._low_steps < cfg.relax_after:
+            return
+        # 10% above the largest ratio seen, and at most halved at once: a run of short batches must not
+        # make the plan believe that activations are free
+        scale = self.scale * max(0.5, min(1.0, self._low_ratio * 1.1))
+        if scale < 0.95 * self.scale:
             self._pending = (
-                f"measured peak {fmt_bytes(peak)} = {peak / budget:.0%} of the budget {fmt_bytes(budget)}, above"
-                f" {above} (estimate was {fmt_bytes(plan.estimated_peak)}): more recompute",
+                f"{self._low_steps} steps below {cfg.relax_below:.0%} of the budget (highest peak"
+                f" {self._low_ratio:.0%} of the estimated activations): less recompute",
                 scale,
             )
-        elif peak < cfg.relax_below * budget and plan.recompute and self._resettable:
-            self._low_steps += 1
-            self._low_ratio = max(self._low_ratio, ratio)
-            if self._low_steps >= cfg.relax_after:
-                # 10% above the largest ratio seen, and at most halved at once: a run of short batches must not
-                # make the plan believe that activations are free
-                scale = self.scale * max(0.5, min(1.0, self._low_ratio * 1.1))
-                if scale < 0.95 * self.scale:
-                    self._pending = (
-                        f"{self._low_steps} steps below {cfg.relax_below:.0%} of the budget (highest peak"
-                        f" {self._low_ratio:.0%} of the estimated activations): less recompute",
-                        scale,
-                    )
-                self._low_steps, self._low_ratio = 0, 0.0
-        else:
-            self._low_steps, self._low_ratio = 0, 0.0
+        self._low_steps, self._low_ratio = 0, 0.0
 
     def set_budget(self, budget: int, reason: str = "budget set") -> bool:
         """Change the budget (bytes) during training. When the current plan no longer fits under ``headroom`` of

@@ -186,6 +186,18 @@ def materialize(module: nn.Module, targets: dict[int, Tensor], unit_of: Callable
                 if isinstance(t, nn.Parameter) and t.is_meta}
     for key, view in targets.items():
         replay.real[key] = (view.untyped_storage(), view.storage_offset() * view.element_size())
+    _replay_ops(recs, replay, skip, unit_of, switch)
+    if not undisturbed or not params:  # something drew or reseeded since the declaration: its state stands
+        torch.set_rng_state(rng_before)
+    for rec in recs:
+        _RECORDINGS.remove(rec)
+    _fill_the_rest(module, targets, replay, params)
+
+
+def _replay_ops(recs: list[Recording], replay: _Replay, skip: set[int], unit_of: Callable[[int], Any],
+                switch: Callable[[Any], None]) -> None:
+    """Run the recorded operations on real memory (``replay``'s storages), each record from its generator state;
+    ``skip``'s storages and the store's parameters' creations left out, ``switch`` called as the units change."""
     unit = None
     for rec in recs:
         torch.set_rng_state(rec.rng_start)
@@ -204,11 +216,11 @@ def materialize(module: nn.Module, targets: dict[int, Tensor], unit_of: Callable
             for o, r in zip(outs, [r for r in tree_flatten(result)[0] if isinstance(r, Tensor)]):
                 replay.real.setdefault(_key(o), (r.untyped_storage(), 0))  # a new storage (a view: known)
     switch(None)
-    if not undisturbed or not params:  # something drew or reseeded since the declaration: its state stands
-        torch.set_rng_state(rng_before)
-    for rec in recs:
-        _RECORDINGS.remove(rec)
-    # what is not the store's: private memory, the replay's values
+
+
+def _fill_the_rest(module: nn.Module, targets: dict[int, Tensor], replay: _Replay, params: bool) -> None:
+    """What is not the store's (buffers; parameters it does not hold, with ``params``): private memory, the replay's
+    values; raises for a meta tensor the replay never made."""
     missing = []
     for name, m in module.named_modules():
         for kind, table in (("buffer", m._buffers), ("parameter", m._parameters)):

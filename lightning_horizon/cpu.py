@@ -187,7 +187,7 @@ def plan_cores(local_rank: int, local_world_size: int, cores: list[int]) -> tupl
     return [cores[local_rank % n]], True
 
 
-def place(local_rank: int, local_world_size: int, pin_cores: bool, threads: Optional[int] = None) -> dict[str, Any]:
+def pin_rank(local_rank: int, local_world_size: int, pin_cores: bool, threads: Optional[int] = None) -> dict[str, Any]:
     """This rank's cores, threads and whether its cores are shared: pinned to its own slice (``pin_cores``), or
     left on every core the process may use with torch's own thread count."""
     if not pin_cores:
@@ -252,7 +252,7 @@ def set_threads(threads: int) -> None:
 
 
 def planned_threads(local_rank: int, local_world_size: int, threads: Optional[int] = None) -> int:
-    """The intra-op threads ``place(local_rank, local_world_size, pin_cores=True, threads)`` will give this rank."""
+    """The intra-op threads ``pin_rank(local_rank, local_world_size, pin_cores=True, threads)`` will give this rank."""
     return _thread_count(plan_cores(local_rank, local_world_size, available_cores())[0], threads)
 
 

@@ -27,12 +27,12 @@ def all_gather_objects(obj: Any) -> list[Any]:
     return out
 
 
-def place(topology: Topology, local_rank: int, ranks_here: int, pin: bool, threads: Any,
-          keep_freed: bool) -> list[dict[str, Any]]:
-    """Pin this rank's cores and size its thread pool (``cpu.place``), have malloc keep freed memory where asked
+def place_ranks(topology: Topology, local_rank: int, ranks_here: int, pin: bool, threads: Any,
+                keep_freed: bool) -> list[dict[str, Any]]:
+    """Pin this rank's cores and size its thread pool (``cpu.pin_rank``), have malloc keep freed memory where asked
     (``cpu.keep_freed_memory``); return every rank's row (collective)."""
     row = {"rank": topology.rank, "node": topology.node_rank, "local_rank": topology.local_rank,
-           **cpu.place(local_rank, ranks_here, pin, threads), "host": liveness.host(), "pid": os.getpid(),
+           **cpu.pin_rank(local_rank, ranks_here, pin, threads), "host": liveness.host(), "pid": os.getpid(),
            "keeps_freed_memory": keep_freed and cpu.keep_freed_memory()}
     return all_gather_objects(row)
 
@@ -46,8 +46,8 @@ def start(options: Any, world_size: int, rank: int, local_rank: int, ranks_here:
     topology = Topology(world_size=world_size, rank=rank, ranks_per_node=process.ranks_per_node or ranks_here)
     groups = ProcessGroups(topology)
     cpu_here = device.type == "cpu"
-    rows = place(topology, local_rank, ranks_here, process.pin_cores and cpu_here, process.threads_per_rank,
-                 process.keep_freed_memory and cpu_here and options.sharding is None)
+    rows = place_ranks(topology, local_rank, ranks_here, process.pin_cores and cpu_here, process.threads_per_rank,
+                       process.keep_freed_memory and cpu_here and options.sharding is None)
     if report_here:
         report(topology, rows, backend, ranks_here, options.process.threads_per_rank)
     return topology, groups, rows
@@ -155,4 +155,4 @@ def report(topology: Topology, placement: list[dict[str, Any]], backend: Any, ra
 
 
 __all__ = ["agent_store_kept", "all_gather_objects", "allocator_hint_due", "attempt", "attempt_prefix",
-           "destroy_process_group_at_exit", "init_process_group", "place", "report", "start", "startup_table"]
+           "destroy_process_group_at_exit", "init_process_group", "place_ranks", "report", "start", "startup_table"]

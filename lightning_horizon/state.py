@@ -123,7 +123,7 @@ class TrainingState:
 
     def register_master(self, param: Tensor, master: Tensor) -> None:
         self._compensation.pop(param, None)
-        self.rebind(master, self.place(param, "master", master.data))
+        self.rebind(master, self.hold(param, "master", master.data))
         self._masters[param] = master
         self._param_of[master] = param
 
@@ -136,7 +136,7 @@ class TrainingState:
 
     def register_compensation(self, param: Tensor, compensation: Tensor) -> None:
         self._masters.pop(param, None)
-        self._compensation[param] = self.place(param, "compensation", compensation)
+        self._compensation[param] = self.hold(param, "compensation", compensation)
 
     # ------------------------------------------------------------------ parameter storage
 
@@ -165,10 +165,10 @@ class TrainingState:
 
     # ------------------------------------------------------------------ where the tensors live (out-of-core store)
 
-    def place(self, param: Tensor, kind: str, tensor: Tensor) -> Tensor:
+    def hold(self, param: Tensor, kind: str, tensor: Tensor) -> Tensor:
         """``tensor`` (``param``'s ``kind``: "master", "master_grad", "compensation") where training keeps it: the
         store's copy under out-of-core training, else ``tensor`` itself."""
-        return tensor if self.store is None else self.store.place(param, kind, tensor)
+        return tensor if self.store is None else self.store.hold(param, kind, tensor)
 
     def stream(self, params: Iterable[Tensor], dirty: bool = False,
                kinds: tuple[str, ...] = ("grad",)) -> Iterable[list[Tensor]]:

@@ -102,7 +102,7 @@ class HorizonPrecision(Precision):
         device_type = first.device.type if first is not None else "cpu"
         width = matmul_width(self._module) if self._module is not None else None
         compute, self.reason = resolve_compute(self.requested_compute, device_type, width)
-        self._policy.place(compute, device_type)
+        self._policy.set_compute(compute, device_type)
 
     @property
     def compute(self) -> str:

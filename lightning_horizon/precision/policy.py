@@ -31,10 +31,10 @@ class Policy:
         #: where the true weights live; a policy with masters or compensations registers them here
         self.training_state = training_state
         self.names: dict[Tensor, str] = {}  # module parameter -> its state_dict name (set by connect)
-        self.compute = "fp32"  # "bf16" or "fp32", resolved from the ISA by the plugin (place)
+        self.compute = "fp32"  # "bf16" or "fp32", resolved from the ISA by the plugin (set_compute)
         self.device_type = "cpu"
 
-    def place(self, compute: str, device_type: str) -> None:
+    def set_compute(self, compute: str, device_type: str) -> None:
         """Where the forward runs and in which dtype the matmuls compute."""
         self.compute, self.device_type = compute, device_type
 

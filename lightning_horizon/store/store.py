@@ -121,7 +121,7 @@ class StateStore:
         return id(param) in self.unit_of
 
     @torch.no_grad()
-    def place(self, param: Tensor, kind: str, tensor: Tensor) -> Tensor:
+    def hold(self, param: Tensor, kind: str, tensor: Tensor) -> Tensor:
         """``tensor``'s values in the store's view (returned); a parameter the store does not hold: ``tensor``."""
         if not self.knows(param) or not tensor.is_floating_point():
             return tensor
@@ -142,7 +142,7 @@ class StateStore:
         else:
             for u in self.units:
                 for p in u.params:
-                    self._state.rebind(p, self.place(p, WEIGHT, p.data))
+                    self._state.rebind(p, self.hold(p, WEIGHT, p.data))
                 self.release(u)
         for u in self.units:
             if u.module is not None:
@@ -218,7 +218,7 @@ class StateStore:
             st = optimizer.state.get(x) or {}
             for k, value in list(st.items()):
                 if per_element(k, value, x):
-                    st[k] = self.place(p, state_kind(k, value.dtype), value)
+                    st[k] = self.hold(p, state_kind(k, value.dtype), value)
             u = self.unit_of[id(p)]
             if last is not None and u is not last:  # one unit in memory at a time (a resume places them all)
                 self._settled(last)
@@ -254,7 +254,7 @@ class StateStore:
         due = counts[u.index]
         if due[1] == 0:
             self._discard_dead_grads(u)
-        p.grad = self.place(p, GRAD, p.grad)
+        p.grad = self.hold(p, GRAD, p.grad)
         due[1] += 1
         if due[1] != due[0]:
             return

@@ -73,8 +73,7 @@ class HorizonStrategy(CPUProcessesStrategy):
         state_store: Union[None, str, os.PathLike, StoreConfig] = None,
         **kwargs: Any,
     ) -> None:
-        # Every check runs here, in the Trainer's constructor: before a launcher starts a process or a group.
-        # the strategy's own options (self.options), each group's checked by its config, the rules between them
+        # each group checked by its config, then the rules between them: before a launcher starts any process
         options = HorizonOptions(
             process=ProcessConfig(
                 ranks_per_node=ranks_per_node, bucket_size_mb=bucket_size_mb, timeout=timeout,

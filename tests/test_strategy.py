@@ -5,11 +5,17 @@ that one launch covers several fits (process start and `import lightning` cost s
 by NODE_RANK, their process groups and the placement table: test_topology.py.
 """
 
+import ast
+import dataclasses
+import inspect
+import textwrap
+
 import lightning as L
 import pytest
 import torch
 
 from lightning_horizon import HorizonStrategy, cpu
+from lightning_horizon.options import GROUPS, WHOLE, HorizonOptions, keywords
 from tests.scripts.fit import TinyLM, data, launch
 
 
@@ -56,11 +62,6 @@ def test_registered_names():
 
 
 def test_every_strategy_keyword_is_a_field_of_exactly_one_config_with_its_default():
-    import dataclasses
-    import inspect
-
-    from lightning_horizon.options import GROUPS, HorizonOptions, keywords
-
     params = inspect.signature(HorizonStrategy.__init__).parameters
     own = [n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
     assert sorted(own) == sorted(keywords()) and len(set(keywords())) == len(keywords())
@@ -75,7 +76,14 @@ def test_every_strategy_keyword_is_a_field_of_exactly_one_config_with_its_defaul
     whole = {f.name: f.default for f in dataclasses.fields(HorizonOptions)}
     assert all(params[n].default is None and whole[n] is None for n in keywords() if n not in
                {f.name for g in GROUPS for f in dataclasses.fields(g)})
-    # handed over by field name: a value given to the strategy is the value its config holds
+    # handed over by field name: each config built in the constructor from exactly its keywords, each as given
+    calls = {node.func.id: {k.arg: k.value.id for k in node.keywords if isinstance(k.value, ast.Name)}
+             for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(HorizonStrategy.__init__))))
+             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}
+    for group in GROUPS:
+        own = {f.name for f in dataclasses.fields(group) if f.metadata.get("keyword", True)}
+        assert calls[group.__name__] == {n: n for n in own}, group.__name__
+    assert {n: calls["HorizonOptions"][n] for n in WHOLE} == {n: n for n in WHOLE}
     given = {"ranks_per_node": 2, "compression": "bf16", "collectives": "hierarchical", "heartbeat_timeout": 5.0,
              "threads_per_rank": 1, "sync_overlap": False}
     options = HorizonStrategy(**given).options

@@ -295,6 +295,18 @@ def check_local_sgd(checks: dict, groups: ProcessGroups) -> None:
     )
 
 
+def outer_state_restores(saved: dict, groups: ProcessGroups, overlap: bool, numel: int) -> bool:
+    """The outer step's checkpoint at step 9 (mid-period; overlapped, the exchange in flight) holds this node's slice
+    of the anchor, and the slices sent and the snapshot only when overlapped; a fresh sync takes it."""
+    fresh = GradientSync(CollectivesConfig("hierarchical", sync_every=4, sync_warmup_steps=3, outer="nesterov",
+                                           sync_overlap=overlap), groups, equal_model(), TrainingState())
+    fresh.load_state_dict(saved)
+    o = saved["periodic"]["outer"]
+    return (saved["periodic"]["step"] == 9 and fresh.periodic.outer.anchor is o["anchor"]
+            and (o["sent"] is not None) == overlap and (o["snapshot"] is not None) == overlap
+            and o["anchor"].numel() == numel // PER_NODE)
+
+
 def check_outer(checks: dict, groups: ProcessGroups) -> None:
     """DiLoCo's outer step (sync_every=4 after 3 warm-up steps, Nesterov lr 0.7 momentum 0.9), blocking and
     overlapped, against the algorithm written out in float64 on the nodes' weights just before each sync: the anchor
@@ -341,13 +353,7 @@ def check_outer(checks: dict, groups: ProcessGroups) -> None:
             if step == 9:
                 saved = sync.state_dict()
         tag = "outer_overlap" if overlap else "outer_nesterov"
-        fresh = GradientSync(CollectivesConfig("hierarchical", sync_every=4, sync_warmup_steps=3, outer="nesterov",
-                                               sync_overlap=overlap), groups, equal_model(), TrainingState())
-        fresh.load_state_dict(saved)
-        o = saved["periodic"]["outer"]
-        state_ok = (saved["periodic"]["step"] == 9 and fresh.periodic.outer.anchor is o["anchor"]
-                    and (o["sent"] is not None) == overlap and (o["snapshot"] is not None) == overlap
-                    and o["anchor"].numel() == flat_weights(model).numel() // PER_NODE)
+        state_ok = outer_state_restores(saved, groups, overlap, flat_weights(model).numel())
         # the first overlapped sync sends only: the weights stay; every other sync moves them
         first_stays = moved[7] == 0.0 if overlap else moved[7] > 0
         checks[tag] = result(

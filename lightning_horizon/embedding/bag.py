@@ -2,26 +2,19 @@
 
 Alone (one process, or before a fit places it) it is a plain embedding bag over the whole table. Once placed
 (:meth:`ShardedEmbeddingBag.place`, by HorizonStrategy at the start of a fit), rank ``r`` keeps rows
-``[r * ceil(N / W), ...)`` and a lookup goes:
+``[r * ceil(N / W), ...)`` (:mod:`~lightning_horizon.embedding.rows`) and a lookup sends every id to the rank that
+owns its row, which sums the rows it owns per bag and sends the partial sums back to the batch's rank
+(:mod:`~lightning_horizon.embedding.lookup`); backward runs the same way in reverse. What moves per step is the ids
+and ``batch x dim`` partial sums per peer, whatever the table's size.
 
-1. every id goes to the rank that owns its row (the ids and their bag numbers, swapped with every peer);
-2. each owner sums the rows it owns per bag (a partial pooled vector per bag of each peer's batch);
-3. the partial sums go back to the batch's rank, which adds them up (and divides by the bag's size, ``mean``).
+The step: the user's optimizer never sees the table's gradient; HorizonStrategy takes the touched rows' gradient
+before the step and :meth:`~lightning_horizon.embedding.gradient.TableGradient.sparse_step` updates only those rows
+with the table's own :mod:`sparse optimizer <lightning_horizon.embedding.sparse_optim>`
+(:mod:`~lightning_horizon.embedding.gradient`). ``state_dict()`` holds the whole table under ``weight``, as
+``nn.EmbeddingBag``; ``load_state_dict`` keeps this rank's rows (:mod:`~lightning_horizon.embedding.state`).
 
-Backward runs the same way in reverse: a bag's gradient goes to every owner, which accumulates it into its own
-rows as a sparse gradient; no row of the table, nor its gradient, ever leaves its owner. What moves per step is
-the ids and ``batch x dim`` partial sums per peer, whatever the table's size.
-
-The step: the table's parameter stays in the user's optimizer (so its learning-rate schedule, clipping and
-GradNormBackoff's decisions apply), but that optimizer never sees its gradient: HorizonStrategy takes the touched
-rows' gradient before the step (:meth:`take_gradient`, averaged over the ranks as DDP averages the others), counts
-it in the global gradient norm and in clipping, and :meth:`sparse_step` updates only those rows with the table's
-own :mod:`sparse optimizer <lightning_horizon.embedding.sparse_optim>`, inside the user's optimizer step.
-
-``state_dict()`` holds the whole table under ``weight``, as ``nn.EmbeddingBag`` (a checkpoint loads into one with
-``strict=True``): on a placed table it is collective, as FSDP's full state dict (every rank calls it, as
-Lightning's checkpointing does), and the whole table is on rank 0 only; the others hold their own rows.
-``load_state_dict`` takes the whole table and keeps this rank's rows.
+This module holds the table itself: its options, its placement (a move to a copy per node, its rows on disk) and
+its forward.
 """
 
 from __future__ import annotations
@@ -29,7 +22,6 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
-import math
 import os
 import shutil
 import tempfile
@@ -37,8 +29,6 @@ import weakref
 from typing import Any, Optional, Union
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
@@ -46,18 +36,20 @@ from lightning_horizon import rehearsal
 from lightning_horizon.checks import check_int, check_one_of, is_int, is_number, require
 from lightning_horizon.embedding import exchange
 from lightning_horizon.embedding.disk import DiskRows
+from lightning_horizon.embedding.gradient import TableGradient, set_aside
+from lightning_horizon.embedding.lookup import bags_of, lookup_sharded, pool
+from lightning_horizon.embedding.rows import BLOCK, default_cache_rows, draw, spread
 from lightning_horizon.embedding.sparse_optim import SparseOptimizer, resolve
-from lightning_horizon.memory.probe import node_free_memory
+from lightning_horizon.embedding.state import TableState
 
 MODES = ("sum", "mean")
 PLACEMENTS = ("rows", "table")
 SPANS = ("auto", "world", "node")
-BLOCK = 1 << 16  #: rows per generator of a seeded table (init_seed)
 
 log = logging.getLogger(__name__)
 
 
-class ShardedEmbeddingBag(nn.Module):
+class ShardedEmbeddingBag(TableGradient, TableState, nn.Module):
     """Sums (or means) of embedding rows per bag, with the table's rows sharded over the ranks and updated sparsely.
 
     Args:
@@ -148,7 +140,7 @@ class ShardedEmbeddingBag(nn.Module):
         #: accumulates as usual): autograd adds them in an order that follows their indices, which a table on disk
         #: numbers by cache slot; the step sums these in the order they came, the same bits wherever the rows are
         self._grads: list[tuple[Tensor, Tensor]] = []
-        self.weight.register_hook(functools.partial(_set_aside, weakref.ref(self)))
+        self.weight.register_hook(functools.partial(set_aside, weakref.ref(self)))
 
     # ------------------------------------------------------------------ placement
 
@@ -219,17 +211,9 @@ class ShardedEmbeddingBag(nn.Module):
         self.rank, self.world, self.group, self.owner, self.replicas = rank, world, group, owner, replicas
 
     def _draw(self, lo: int, hi: int) -> Tensor:
-        """Rows ``[lo, hi)`` of a seeded table: the blocks of :data:`BLOCK` rows that hold them, each from its own
-        generator (the same rows whoever draws them)."""
-        out = torch.empty(hi - lo, self.embedding_dim, dtype=self.weight.dtype)
-        for block in range(lo // BLOCK, -(-hi // BLOCK)):
-            start = block * BLOCK
-            g = torch.Generator().manual_seed((self.init_seed << 24) + block)
-            rows = torch.randn(min(BLOCK, self.num_embeddings - start), self.embedding_dim, generator=g,
-                               dtype=self.weight.dtype).mul_(self.init_std)
-            a, b = max(lo, start), min(hi, start + rows.shape[0])
-            out[a - lo:b - lo] = rows[a - start:b - start]
-        return out
+        """Rows ``[lo, hi)`` of a seeded table (:func:`~lightning_horizon.embedding.rows.draw`: the same rows
+        whoever draws them)."""
+        return draw(self.init_seed, self.init_std, self.num_embeddings, self.embedding_dim, self.weight.dtype, lo, hi)
 
     def _ensure_drawn(self) -> None:
         if self.rows_on_disk is not None:
@@ -278,7 +262,7 @@ class ShardedEmbeddingBag(nn.Module):
                 per_sample_weights: Optional[Tensor] = None) -> Tensor:
         """As ``nn.EmbeddingBag.forward``: ``input`` 2-D (one bag per row) or 1-D with ``offsets`` (each bag's
         start); returns ``[bags, embedding_dim]``."""
-        ids, bag, bags = _bags(input, offsets)
+        ids, bag, bags = bags_of(input, offsets)
         if self.span_choice is not None and _get_current_dispatch_mode() is None:
             # span="auto": the first lookup decides (collective), then this placement. Not one under a dispatch
             # mode: graph sharding's profile (or a FLOP count) runs a step's forward once more and then undoes what
@@ -294,217 +278,13 @@ class ShardedEmbeddingBag(nn.Module):
             raise IndexError(f"{type(self).__name__}: ids must be in [0, {self.num_embeddings}); got"
                              f" [{int(ids.min())}, {int(ids.max())}]")
         if self.world > 1:
-            pooled = self._lookup_sharded(ids, bag, bags, per_sample_weights)
+            pooled = lookup_sharded(self, ids, bag, bags, per_sample_weights, self._slots)
         else:
-            pooled = _pool(self.weight, self._slots(ids), bag, bags, per_sample_weights)
+            pooled = pool(self.weight, self._slots(ids), bag, bags, per_sample_weights)
         if self.mode == "mean":
             size = torch.bincount(bag, minlength=bags).clamp_(min=1).to(pooled.dtype)
             pooled = pooled / size.unsqueeze(1)
         return pooled
-
-    def _lookup_sharded(self, ids: Tensor, bag: Tensor, bags: int, weights: Optional[Tensor]) -> Tensor:
-        starts = torch.tensor([lo for lo, _ in self.bounds])
-        owner = torch.searchsorted(starts, ids, right=True) - 1  # the last rank whose rows start at or before
-        order = torch.argsort(owner, stable=True)
-        send = torch.bincount(owner, minlength=self.world)
-        # what each peer sends here: its ids' count and its batch's bags
-        counts = torch.stack([send, torch.full_like(send, bags)], dim=1)
-        got = exchange.swap_counts(counts, self.group, self.rank, self.meter)
-        send_n, recv_n, peer_bags = send.tolist(), got[:, 0].tolist(), got[:, 1].tolist()
-        columns = [(ids - starts[owner])[order], bag[order]]
-        routed = [exchange.swap_blocks(c, send_n, recv_n, self.group, self.rank, self.meter) for c in columns]
-        if weights is not None:
-            # through autograd: weights that come from parameters get their gradient back from the owners
-            columns.append(weights[order].to(self.weight.dtype))
-            routed.append(exchange.SwapBlocks.apply(columns[-1], send_n, recv_n, self.group, self.rank, self.meter))
-        others = [p for p in range(self.world) if p != self.rank]
-        row = self.embedding_dim * self.weight.element_size()
-        grads = torch.is_grad_enabled()
-        sums = sum(peer_bags[p] for p in others) * row + (len(others) * bags * row if grads else 0)
-        weight_grads = (sum(recv_n[p] for p in others) * columns[-1].element_size()
-                        if weights is not None and grads and columns[-1].requires_grad else 0)
-        self.sent_bytes += (counts[others].numel() * 8 + sum(send_n[p] for p in others)
-                            * sum(c.element_size() for c in columns) + sums + weight_grads)
-        # the bags of peer p's batch are numbered after those of peers 0..p-1 here
-        base = torch.repeat_interleave(torch.tensor([0] + peer_bags[:-1]).cumsum(0), torch.tensor(recv_n))
-        partial = _pool(self.weight, self._slots(routed[0]), routed[1] + base, sum(peer_bags),
-                        routed[2] if weights is not None else None)
-        back = exchange.SwapBlocks.apply(partial, peer_bags, [bags] * self.world, self.group, self.rank, self.meter)
-        return back.view(self.world, bags, -1).sum(0)
-
-    # ------------------------------------------------------------------ the step (called by HorizonStrategy)
-
-    def take_gradient(self) -> bool:
-        """Move the table's gradient (sparse or dense) out of ``weight.grad``, averaged over the ranks as DDP
-        averages the others' (under span="node" summed across the nodes first: collective), so that the user's
-        optimizer steps no row; True when there is one."""
-        parts, self._grads = self._grads, []
-        dense, self.weight.grad = self.weight.grad, None
-        if dense is None or dense.is_sparse:  # the sparse ones are in parts, as they came
-            dense = None
-            if not parts:
-                return False
-        rows = [self._rows_of(index) for index, _ in parts]  # duplicates not yet summed
-        values = [v for _, v in parts]
-        if dense is not None:  # a dense gradient (a user's own F.embedding on .weight): its nonzero rows
-            nonzero = dense.abs().sum(1).nonzero().squeeze(1)
-            rows.append(self._rows_of(nonzero))
-            values.append(dense[nonzero])
-        if self.disk is not None:
-            self.disk.unpin()  # the gradient is in rows now: no slot is referred to
-        grad = torch.sparse_coo_tensor(torch.cat(rows).unsqueeze(0), torch.cat(values),
-                                       (self.rows[1] - self.rows[0], self.embedding_dim),
-                                       check_invariants=False).coalesce()
-        rows, values = grad.indices()[0], grad.values()
-        if self.replicas is not None:
-            rows, values = exchange.sum_rows(rows, values, self.replicas[2], self.replicas[0], self.replicas[1],
-                                             self.meter)
-            self.sent_bytes += (self.replicas[1] - 1) * rows.numel() * (8 + values.shape[1] * values.element_size())
-        self._pending = (rows, values / (self.world * self.copies))
-        return True
-
-    def gradient_share(self, norm_type: float) -> Tensor:
-        """This rank's part of the taken gradient's norm: the sum of ``|g|^p`` (the max for the inf-norm)."""
-        if self._pending is None or not self._pending[1].numel():
-            return torch.zeros((), dtype=torch.promote_types(torch.float32, self.weight.dtype))
-        values = self._pending[1].to(torch.promote_types(torch.float32, self.weight.dtype))
-        if math.isinf(norm_type):
-            return values.abs().max()
-        return torch.linalg.vector_norm(values, norm_type).pow(norm_type)
-
-    def scale_gradient(self, factor: Tensor) -> None:
-        if self._pending is not None:
-            self._pending[1].mul_(factor.to(self._pending[1].dtype))
-
-    def clamp_gradient(self, clip_val: float) -> None:
-        if self._pending is not None:
-            self._pending[1].clamp_(-clip_val, clip_val)
-
-    def _rows_of(self, index: Tensor) -> Tensor:
-        """This rank's rows at ``index`` of ``weight``: the index itself, or on disk the rows its cache slots
-        hold."""
-        return index if self.disk is None else self.disk.rows_of(index)
-
-    def drop_gradient(self) -> None:
-        """Forget the taken gradient: the step touches no row."""
-        self._pending = None
-        if self.disk is not None:
-            self.disk.unpin()
-
-    @torch.no_grad()
-    def sparse_step(self, lr: Optional[float] = None) -> None:
-        """Update the rows of the taken gradient with the table's optimizer at ``lr`` (``None``: its own)."""
-        lr = self.optimizer.lr if lr is None else lr
-        if lr is None:
-            raise ValueError(f"{type(self).__name__}: optimizer={self.optimizer} takes its parameter group's lr;"
-                             " pass sparse_step(lr=...) when stepping it yourself")
-        if self._pending is None:
-            return
-        rows, grad = self._pending
-        self._pending = None
-        self._ensure_state()
-        if self.disk is not None:  # the rows (with span="node", also those other nodes touched) in the cache
-            slots = self.disk.ensure(rows, pin=False)
-            self.optimizer.step(self.weight.data, self.optimizer_state, slots, grad.to(self.weight.dtype), lr)
-            self.disk.mark_dirty(slots)
-            self.disk.settle()
-            return
-        self.optimizer.step(self.weight.data, self.optimizer_state, rows, grad.to(self.weight.dtype), lr)
-
-    # ------------------------------------------------------------------ state
-
-    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
-        self._ensure_drawn()
-        if self.disk is not None:  # the whole table, memory-mapped on rank 0: never in memory at once
-            full = self._gather_file("weight") if self.replicas is None or self.replicas[0] == 0 else None
-            destination[prefix + "weight"] = full if full is not None else self.weight.detach()
-            return
-        if self.world == 1 or (self.replicas is not None and self.replicas[0] > 0):  # whole here, or node 0's
-            return super()._save_to_state_dict(destination, prefix, keep_vars)
-        full = exchange.gather_rows(self.weight.detach(), self.bounds, self.group, self.rank)
-        destination[prefix + "weight"] = full if full is not None else self.weight.detach()
-
-    def _keep_own_rows(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-        weight = state_dict.get(prefix + "weight")
-        if self.rows_on_disk is not None and weight is not None and weight.shape[0] == self.num_embeddings:
-            self._load_files({"weight": weight})  # into the files (now, or where they are made)
-            state_dict[prefix + "weight"] = self.weight.data  # the Parameter is the cache: nothing to copy
-            return
-        if weight is not None and not self._drawn:  # the loaded rows replace the drawn ones: none need drawing
-            lo, hi = self.rows
-            self.weight.data = torch.empty(hi - lo, self.embedding_dim, dtype=self.weight.dtype)
-            self._drawn = True
-        if self.placed and weight is not None and weight.shape[0] == self.num_embeddings:
-            lo, hi = self.rows
-            state_dict[prefix + "weight"] = weight[lo:hi]
-
-    def _ensure_state(self) -> None:
-        """The sparse optimizer's state of this rank's rows, made (zeros) where the first step has not yet."""
-        if not self.optimizer_state:
-            lo, hi = self.rows
-            self.optimizer_state = self.optimizer.init_state(hi - lo, self.embedding_dim, self.weight.dtype)
-
-    def optimizer_state_bytes(self) -> int:
-        """Bytes the sparse optimizer's state of this rank's rows takes, or will once the first step creates it."""
-        if self.optimizer_state or self.rows_on_disk is not None:  # on disk: the cache's, allocated at placement
-            return 0  # allocated already: resident, not to come
-        per_row = self.optimizer.init_state(1, self.embedding_dim, self.weight.dtype)
-        return (self.rows[1] - self.rows[0]) * sum(t.numel() * t.element_size() for t in per_row.values())
-
-    def full_optimizer_state(self) -> Optional[dict[str, Tensor]]:
-        """The optimizer state of every row on rank 0 (``None`` elsewhere); collective on a placed table (under
-        span="node": among node 0's ranks)."""
-        if self.replicas is not None and self.replicas[0] > 0:
-            return None
-        if self.disk is not None:
-            full = {k: self._gather_file(k) for k in sorted(self.optimizer_state)}
-            return full if self.rank == 0 else None
-        if self.world == 1:
-            return dict(self.optimizer_state)
-        self._ensure_state()  # before the first step: zeros, as the first step makes them
-        full = {k: exchange.gather_rows(self.optimizer_state[k], self.bounds, self.group, self.rank)
-                for k in sorted(self.optimizer_state)}
-        return full if self.rank == 0 else None
-
-    def load_full_optimizer_state(self, state: dict[str, Tensor]) -> None:
-        """Take this rank's rows of a whole table's optimizer state (from any number of ranks)."""
-        if self.rows_on_disk is not None:
-            self._load_files(state)
-            return
-        lo, hi = self.rows
-        self.optimizer_state = {k: v[lo:hi].clone().to(self.weight.dtype) for k, v in state.items()}
-
-    def _gather_file(self, name: str) -> Optional[Tensor]:
-        """The whole table's ``name`` (its rows or an optimizer state) on rank 0 of the table's group, in a file
-        mapped to memory (never whole in memory), block by block from every rank's files (a block no id reached:
-        drawn, or zeros for a state, as the table in memory holds it); ``None`` elsewhere. Collective."""
-        disk = self.disk
-        assert disk is not None
-        disk.flush()
-        out = None
-        if self.rank == 0:
-            out = disk.scratch(name, self.num_embeddings)
-        for peer, (lo, hi) in enumerate(self.bounds):
-            edges = sorted({lo, hi, *range((lo // BLOCK + 1) * BLOCK, hi, BLOCK)}) if hi > lo else []
-            for a, b in zip(edges, edges[1:]):  # block by block, in the same order on every rank
-                if peer == self.rank:
-                    rows = disk.saved_rows(name, a, b)
-                    if self.rank != 0:
-                        dist.send(rows.contiguous(), group=self.group, group_dst=0)
-                    else:
-                        out[a:b] = rows
-                elif self.rank == 0:
-                    dist.recv(out[a:b], group=self.group, group_src=peer)
-        return out
-
-    def _load_files(self, whole: dict[str, Tensor]) -> None:
-        """This rank's rows of whole-table tensors (the rows, optimizer states) into its files: now where they
-        exist, else once they are made (:meth:`_open_disk`)."""
-        if self.disk is None:
-            self._pending_files.update(whole)
-            return
-        for name, tensor in whole.items():
-            self.disk.load(name, tensor[self.disk.lo:self.disk.hi])
 
     def extra_repr(self) -> str:
         placed = f", rows={self.rows} of {self.world} ranks" if self.placed else ""
@@ -515,55 +295,4 @@ class ShardedEmbeddingBag(nn.Module):
                 f" optimizer={self.optimizer}{placed}")
 
 
-def default_cache_rows(rows: int, dim: int, element: int, state_bytes: int) -> int:
-    """The rows of a table on disk a rank keeps in memory when ``cache_rows`` is not given: a sixteenth of its
-    ``rows`` (at least :data:`BLOCK`), at most what a quarter of its share of the node's free memory holds (one row:
-    ``dim`` values of ``element`` bytes and ``state_bytes`` of optimizer state)."""
-    share = node_free_memory() // int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1) // 4
-    return max(1, min(rows, max(BLOCK, rows // 16), share // (dim * element + state_bytes)))
-
-
-def spread(rows: int, ranks: int, owner: Optional[int] = None) -> list[tuple[int, int]]:
-    """The rows ``[lo, hi)`` each of ``ranks`` ranks holds of a table of ``rows`` rows: contiguous blocks of
-    ``ceil(rows / ranks)``, or all of them on ``owner`` (the others' empty ranges keep the starts in order)."""
-    if owner is not None:
-        return [(0, 0) if r < owner else (0, rows) if r == owner else (rows, rows) for r in range(ranks)]
-    per = math.ceil(rows / ranks)
-    return [(min(r * per, rows), min((r + 1) * per, rows)) for r in range(ranks)]
-
-
-def _set_aside(table: "weakref.ref[ShardedEmbeddingBag]", grad: Tensor) -> Tensor:
-    """A backward's gradient of the table's ``weight``, before autograd accumulates it: a sparse one is copied to
-    the table's list (a fresh list where ``weight.grad`` was cleared since: ``zero_grad``)."""
-    owner = table()
-    if owner is not None and grad.is_sparse:
-        held = owner.weight.grad
-        if held is None or (held.is_sparse and held._nnz() == 0):
-            owner._grads = []
-        owner._grads.append((grad._indices()[0].clone(), grad._values().clone()))
-    return grad
-
-
-def _bags(input: Tensor, offsets: Optional[Tensor]) -> tuple[Tensor, Tensor, int]:
-    """The ids (1-D), each id's bag number and the number of bags, from ``nn.EmbeddingBag``'s two input forms."""
-    if input.dim() == 2:
-        if offsets is not None:
-            raise ValueError("ShardedEmbeddingBag: offsets must be None with 2-D input (one bag per row)")
-        bags, size = input.shape
-        return input.reshape(-1), torch.arange(bags).repeat_interleave(size), bags
-    if input.dim() != 1 or offsets is None or offsets.dim() != 1:
-        raise ValueError("ShardedEmbeddingBag: input is 2-D (bags x ids), or 1-D with 1-D offsets (each bag's start)")
-    bags = offsets.numel()
-    sizes = torch.diff(offsets, append=torch.tensor([input.numel()], dtype=offsets.dtype))
-    return input, torch.arange(bags).repeat_interleave(sizes), bags
-
-
-def _pool(weight: Tensor, ids: Tensor, bag: Tensor, bags: int, weights: Optional[Tensor]) -> Tensor:
-    """Per bag, the sum of the rows ``ids`` (times ``weights``); the gradient reaches ``weight`` as a sparse one."""
-    rows = F.embedding(ids, weight, sparse=True)
-    if weights is not None:
-        rows = rows * weights.unsqueeze(1)
-    return rows.new_zeros((bags, weight.shape[1])).index_add(0, bag, rows)
-
-
-__all__ = ["BLOCK", "MODES", "PLACEMENTS", "SPANS", "ShardedEmbeddingBag", "default_cache_rows", "spread"]
+__all__ = ["MODES", "PLACEMENTS", "SPANS", "ShardedEmbeddingBag"]

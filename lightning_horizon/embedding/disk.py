@@ -1,7 +1,7 @@
 """A table's rows on disk: one memory-mapped file of records (a row and its optimizer state), the hot rows in memory.
 
 :class:`DiskRows` holds one rank's rows ``[lo, hi)`` of a :class:`~lightning_horizon.embedding.ShardedEmbeddingBag`
-whose rows do not fit in memory. The files are sparse: a block of :data:`~lightning_horizon.embedding.bag.BLOCK`
+whose rows do not fit in memory. The files are sparse: a block of :data:`~lightning_horizon.embedding.rows.BLOCK`
 rows is drawn (from the table's seed, as an in-memory table draws it) and written the first time a lookup touches
 it, so a table of 2^30 rows costs disk only for the blocks its ids reach. The optimizer state of a row starts as
 zeros, which is what an untouched stretch of a sparse file reads as.

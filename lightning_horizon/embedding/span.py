@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_horizon.embedding import exchange
-from lightning_horizon.embedding.bag import spread
+from lightning_horizon.embedding.rows import spread
 from lightning_horizon.memory.probe import fair_share, fmt_bytes
 
 log = logging.getLogger(__name__)
